@@ -1,0 +1,5 @@
+"""`python -m app` is the `specchat` command."""
+
+from app.cli import entry
+
+entry()

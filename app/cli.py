@@ -1,0 +1,202 @@
+"""`specchat` console script: headless generation (`run`) and the bundled demo (`demo`).
+
+Text goes to stdout; progress, stats and errors to stderr. User errors (a
+missing or malformed model, an incompatible pair, a bad flag, a prompt that
+does not fit) print one line and exit 1; failures at run time exit 2; no
+traceback without --debug. Flag spellings follow llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, NoReturn, Sequence
+
+from app.render import TextView, event_json, stats_lines
+
+EXIT_USER = 1
+EXIT_RUNTIME = 2
+EXIT_INTERRUPTED = 130
+DEMO_PROMPT = "Once upon a time, in a small village,"
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER, f"specchat: error: {message} (see 'specchat {self.prog.split()[-1]} --help')\n")
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("-s", "--strategy", default="sps", choices=["ar", "sps"], help="decoding strategy (default: sps)")
+    g.add_argument("-n", "--n-predict", type=int, default=128, dest="max_tokens", help="tokens to generate (default: 128)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p (default: 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default: 0.05)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    s = p.add_argument_group("speculation")
+    s.add_argument("--draft-max", type=int, default=4, help="K: most tokens drafted per step (default: 4)")
+    s.add_argument("--draft-p-min", type=float, default=0.5,
+                   help="stop drafting when the draft's top probability is below this (default: 0.5)")
+    s.add_argument("--no-adaptive", action="store_true", help="keep K fixed instead of adapting it to acceptance")
+    r = p.add_argument_group("runtime")
+    r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
+    r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
+    r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    r.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="target layers to offload to the GPU")
+    r.add_argument("-ngld", "--gpu-layers-draft", type=int, default=0, help="draft layers to offload to the GPU")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    o.add_argument("--color", dest="color", action="store_true", default=None,
+                   help="speculation view: accepted green, rejected red struck through, corrections blue")
+    o.add_argument("--no-color", dest="color", action="store_false", help="plain text")
+    o.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specchat", description="Local LLM chat and generation, faster with speculative decoding.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="generate a completion headlessly")
+    run.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
+    run.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
+    run.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'demo-draft'")
+    _add_generation_flags(run)
+
+    demo = sub.add_parser("demo", help="build (once) and run the bundled Gemma 3 270M demo pair")
+    demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt (default: {DEMO_PROMPT!r})")
+    _add_generation_flags(demo)
+    return parser
+
+
+def _read_prompt(arg: str | None) -> str:
+    if arg == "-":
+        return sys.stdin.read()
+    if arg is None:
+        raise UserError("no prompt given (pass it as an argument, or - to read stdin)")
+    return arg
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Interrupt:
+    """First Ctrl-C asks the generation to stop (the text so far is kept); a second one aborts."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: object = None
+
+    def __enter__(self) -> "_Interrupt":
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+
+def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
+    # Imported here so that `specchat --help` stays instant.
+    from backends.engine import Engine, EngineConfig
+    from backends.events import Done
+    from backends.run import PromptError
+    from backends.sampling import GenParams
+    from backends.strategies.sps import SpsConfig
+    from models.resolve import resolve_model
+
+    prompt_text = _read_prompt(args.prompt)
+    try:
+        params = GenParams(
+            max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+        )
+        sps = SpsConfig(draft_max=args.draft_max, p_min=args.draft_p_min, adaptive=not args.no_adaptive)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.strategy == "ar":
+        draft_ref = None
+    elif draft_ref is None:
+        raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
+    target = resolve_model(target_ref, _progress)
+    draft = resolve_model(draft_ref, _progress) if draft_ref else None
+    engine = Engine(EngineConfig(
+        target=target, draft=draft, n_ctx=args.ctx_size, n_batch=args.batch_size, threads=args.threads,
+        n_gpu_layers=args.gpu_layers, n_gpu_layers_draft=args.gpu_layers_draft,
+    ))
+    try:
+        strategy = engine.strategy(args.strategy, sps)
+        tokens = engine.tokenize(prompt_text)
+        color = sys.stdout.isatty() if args.color is None else args.color
+        view = TextView(sys.stdout, color)
+        show: Callable[[object], None] = (lambda ev: print(event_json(ev), flush=True)) if args.json else view.show
+        with _Interrupt() as interrupt:
+            try:
+                events = strategy.generate(tokens, params, interrupt.event.is_set)
+            except PromptError as e:
+                raise UserError(str(e)) from None
+            done = None
+            for ev in events:
+                show(ev)
+                if isinstance(ev, Done):
+                    done = ev
+        assert done is not None
+        if args.stats:
+            for line in stats_lines(done.stats, done.reason):
+                print(line, file=sys.stderr)
+        if done.reason == "error":
+            print(f"specchat: error: {done.error}", file=sys.stderr)
+            return EXIT_RUNTIME
+        return EXIT_INTERRUPTED if done.reason == "cancelled" else 0
+    finally:
+        engine.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from backends.llama import set_native_logging
+    from models.errors import ModelError
+
+    set_native_logging(args.debug)
+    try:
+        if args.command == "demo":
+            if args.color is None:
+                args.color = True
+            args.stats = True
+            return generate(args, "demo", None if args.strategy == "ar" else "demo-draft")
+        return generate(args, args.model, args.model_draft)
+    except (UserError, ModelError) as e:
+        if args.debug:
+            raise
+        print(f"specchat: error: {e}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        print("\nspecchat: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a failure of ours or of llama.cpp: one line unless --debug
+        if args.debug:
+            raise
+        print(f"specchat: error: {type(e).__name__}: {e} (run with --debug for details)", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def entry() -> None:
+    sys.exit(main())

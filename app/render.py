@@ -1,0 +1,89 @@
+"""Headless rendering of the engine's event stream: the coloured speculation
+view (as in the figure of Leviathan et al. 2023: accepted drafts green,
+rejected drafts red and struck through, the target's correction blue, the
+target's own tokens in the default colour), JSON event lines, and stats.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO
+
+from rich.console import Console
+from rich.text import Text
+
+from backends.events import ACCEPTED, REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
+
+STYLES = {ACCEPTED: "green", REJECTED: "red strike"}
+CORRECTION_STYLE = "blue"
+
+
+def token_style(tok: Token) -> str:
+    if tok.correction:
+        return CORRECTION_STYLE
+    return STYLES.get(tok.kind, "")
+
+
+class TextView:
+    """Streams output text to a terminal; with colour on, also the rejected drafts."""
+
+    def __init__(self, out: IO[str], color: bool) -> None:
+        self.color = color
+        self.out = out
+        self.console = Console(file=out, force_terminal=color, no_color=not color, highlight=False, soft_wrap=True)
+
+    def show(self, event: Event) -> None:
+        if isinstance(event, Token):
+            if event.kind == REJECTED and not self.color:
+                return  # without colour a rejected draft would read as output
+            if self.color:
+                self.console.print(Text(event.text, style=token_style(event)), end="")
+            else:
+                self.out.write(event.text)
+            self.out.flush()
+        elif isinstance(event, Done):
+            self.out.write(event.tail + "\n")
+            self.out.flush()
+
+
+def event_json(event: Event) -> str:
+    if isinstance(event, Prefilled):
+        obj: dict[str, object] = {
+            "type": "prefilled",
+            "n_tokens": event.n_tokens,
+            "n_cached": event.n_cached,
+            "seconds": round(event.seconds, 6),
+        }
+    elif isinstance(event, Token):
+        obj = {"type": "token", "id": event.id, "text": event.text, "kind": event.kind, "correction": event.correction}
+    elif isinstance(event, StepEnd):
+        obj = {"type": "step", "drafted": event.drafted, "accepted": event.accepted, "seconds": round(event.seconds, 6)}
+    else:
+        obj = {
+            "type": "done",
+            "reason": event.reason,
+            "tokens": list(event.tokens),
+            "text": event.text,
+            "stats": event.stats.as_dict(),
+        }
+        if event.error:
+            obj["error"] = event.error
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def stats_lines(stats: GenStats, reason: str) -> list[str]:
+    lines = [
+        f"strategy {stats.strategy}: {stats.generated_tokens} tokens in {stats.decode_seconds:.2f} s "
+        f"= {stats.tokens_per_second:.1f} tok/s (stopped: {reason})",
+        f"prompt: {stats.prompt_tokens} tokens ({stats.prompt_cached} cached) in {stats.prompt_seconds:.2f} s",
+        f"target forwards: {stats.target_forwards}, tokens per forward: {stats.mean_accepted_per_forward:.2f}",
+    ]
+    if stats.drafted:
+        per_pos = " ".join(
+            f"{a}/{d}" for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)
+        )
+        lines.append(
+            f"drafted {stats.drafted}, accepted {stats.accepted} ({100 * stats.acceptance_rate:.1f}%); "
+            f"accepted/drafted by position: {per_pos}"
+        )
+    return lines

@@ -1,0 +1,125 @@
+"""The engine's event stream (SPEC section 4).
+
+Every strategy yields, in order: one `Prefilled`, then per target forward pass
+any number of `Token`s followed by one `StepEnd`, then one `Done`. The CLI and
+the TUI consume exactly this stream; no decoding logic lives in `app/`.
+
+Invariant: the output is the sequence of tokens whose kind is not `rejected`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+TokenKind = Literal["accepted", "target", "rejected"]
+DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
+
+ACCEPTED: TokenKind = "accepted"
+TARGET: TokenKind = "target"
+REJECTED: TokenKind = "rejected"
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The prompt is in the target's KV cache (only the tokens not cached yet were decoded)."""
+
+    n_tokens: int
+    seconds: float
+    n_cached: int = 0
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of a step.
+
+    `text` is the output text this token releases: UTF-8 safe (a character split
+    across tokens is released whole with the token that completes it) and with
+    anything that might begin a stop string held back. Rejected tokens carry
+    their own piece for display only.
+    `correction` marks a target token sampled right after a rejection.
+    """
+
+    id: int
+    text: str
+    kind: TokenKind
+    correction: bool = False
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """One target forward pass is finished."""
+
+    drafted: int
+    accepted: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GenStats:
+    """Totals of one generation; see SPEC section 4 for the meaning of each field."""
+
+    strategy: str
+    prompt_tokens: int
+    prompt_cached: int
+    prompt_seconds: float
+    generated_tokens: int
+    decode_seconds: float
+    target_forwards: int
+    drafted: int
+    accepted: int
+    accepted_per_position: tuple[int, ...] = ()
+    drafted_per_position: tuple[int, ...] = ()
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_forward(self) -> float:
+        """Output tokens per target forward (1.0 for plain decoding)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "strategy": self.strategy,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_cached": self.prompt_cached,
+            "prompt_seconds": round(self.prompt_seconds, 6),
+            "generated_tokens": self.generated_tokens,
+            "decode_seconds": round(self.decode_seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_forward": round(self.mean_accepted_per_forward, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            **self.extra,
+        }
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a generation. `tokens`/`text` are the whole output.
+
+    `tail` is output text not carried by any Token event: what was held back
+    because it might have begun a stop string. A streaming consumer prints it
+    last. `error` is set when reason is 'error'.
+    """
+
+    reason: DoneReason
+    stats: GenStats
+    tokens: tuple[int, ...]
+    text: str
+    tail: str = ""
+    error: str | None = None
+
+
+Event = Union[Prefilled, Token, StepEnd, Done]

@@ -1,0 +1,105 @@
+"""The tokens a context's KV cache holds, kept in step with llama.cpp.
+
+One mechanism serves prefill, multi-turn reuse and speculative rollback:
+`sync(tokens)` keeps the longest common prefix already in the cache, removes
+the rest (`llama_memory_seq_rm`) and decodes only what is missing. Rollback
+refuses loudly when llama.cpp cannot remove part of a sequence (recurrent
+models, or a sliding-window cache without `swa_full`), because continuing
+would decode on a corrupt cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from backends.llama import Batch, LlamaContext
+
+
+class CacheRollbackError(RuntimeError):
+    """llama.cpp refused to remove part of a sequence from the KV cache."""
+
+
+class ContextFullError(ValueError):
+    """The tokens do not fit in the context window."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KvSequence:
+    """Sequence 0 of a context (the main branch; other sequence ids are scratch space)."""
+
+    def __init__(self, ctx: LlamaContext) -> None:
+        self.ctx = ctx
+        self.tokens: list[int] = []
+        self.batch = Batch(ctx.config.n_batch, ctx.config.n_seq_max)
+        # Batch row whose logits belong to the last decoded token.
+        self.last_row = -1
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def truncate(self, n: int) -> None:
+        """Drop every cell at position >= n, in all sequences."""
+        if n >= len(self.tokens):
+            return
+        if not self.ctx.seq_rm(-1, n, -1):
+            self.tokens.clear()
+            self.ctx.clear()
+            raise CacheRollbackError(
+                "llama.cpp cannot remove part of this model's KV cache (recurrent or sliding-window "
+                "memory), so speculative decoding cannot run on it; use -s ar"
+            )
+        del self.tokens[n:]
+
+    def extend(self, tokens: Sequence[int], logits: str = "last") -> None:
+        """Decode `tokens` after what is cached. logits: 'last', 'all' (one batch) or 'none'.
+
+        With 'all', row i holds the logits after tokens[i]; with 'last', `last_row` does.
+        """
+        if not tokens:
+            return
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"{len(self.tokens) + len(tokens)} tokens do not fit in the context of {self.n_ctx}"
+            )
+        step = self.batch.capacity
+        if logits == "all" and len(tokens) > step:
+            raise ValueError(f"cannot return logits for {len(tokens)} tokens in one batch of {step}")
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start : start + step]
+            final = start + step >= len(tokens)
+            self.batch.clear()
+            base = len(self.tokens)
+            for i, tok in enumerate(chunk):
+                want = logits == "all" or (logits == "last" and final and i == len(chunk) - 1)
+                self.batch.add(tok, base + i, (0,), want)
+            self.ctx.decode(self.batch)
+            self.tokens.extend(chunk)
+        self.last_row = len(tokens) - 1 if logits == "all" else len(self.batch) - 1
+
+    def sync(self, tokens: Sequence[int], logits: bool = True) -> int:
+        """Make the cache hold exactly `tokens`; returns how many were already cached.
+
+        With logits=True the last token is decoded anew if it was cached, so that
+        its logits are at `last_row`.
+        """
+        keep = common_prefix(self.tokens, tokens)
+        if logits and keep == len(tokens):
+            keep -= 1
+        self.truncate(keep)
+        self.extend(tokens[keep:], "last" if logits else "none")
+        return keep
+
+    def logits(self, row: int | None = None):
+        return self.ctx.logits(self.last_row if row is None else row)
+
+    def reset(self) -> None:
+        self.tokens.clear()
+        self.ctx.clear()

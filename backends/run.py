@@ -1,0 +1,155 @@
+"""Bookkeeping shared by every strategy: output, stop conditions, events, stats.
+
+A strategy decides which tokens to propose and how to verify them; `Run`
+turns its decisions into the event stream of SPEC section 4 and tracks why
+generation ends (end-of-generation token, max tokens, full context, stop
+string, cancellation).
+
+Cache convention used by all strategies (as llama.cpp's speculative examples
+do): the target's KV cache holds `context[:-1]`; each target forward pass
+starts with `context[-1]`, the last committed token, followed by the proposals.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, StepEnd, Token
+from backends.llama import LlamaModel
+from backends.sampling import GenParams, make_rng
+from backends.text import TextStream
+
+
+class PromptError(ValueError):
+    """The prompt cannot be generated from (empty, or longer than the context)."""
+
+
+class Run:
+    def __init__(self, strategy: str, model: LlamaModel, params: GenParams, prompt: Sequence[int], n_ctx: int) -> None:
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        if len(prompt) >= n_ctx:
+            raise PromptError(
+                f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}; "
+                f"shorten it or raise the context size (-c)"
+            )
+        self.strategy = strategy
+        self.model = model
+        self.params = params
+        self.n_ctx = n_ctx
+        self.rng = make_rng(params.seed)
+        self.context: list[int] = list(prompt)  # prompt + committed output
+        self.n_prompt = len(prompt)
+        self.output: list[int] = []
+        self.reason: DoneReason | None = None
+        self._stream = TextStream(model.piece, params.stop)
+        self._n_cached = 0
+        self._prompt_seconds = 0.0
+        self._t0 = time.perf_counter()
+        self._t_decode = self._t0
+        self._step_t0 = self._t0
+        self.forwards = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.accepted_at: list[int] = []
+        self.drafted_at: list[int] = []
+        self.extra: dict[str, object] = {}
+
+    # -- phases -------------------------------------------------------------
+
+    def prefill(self, decode_prompt: Callable[[], int]) -> Prefilled:
+        """Run the strategy's prompt decode (returns how many tokens were already cached)."""
+        self._n_cached = decode_prompt()
+        now = time.perf_counter()
+        self._prompt_seconds = now - self._t0
+        self._t_decode = self._step_t0 = now
+        return Prefilled(self.n_prompt, self._prompt_seconds, self._n_cached)
+
+    @property
+    def pending(self) -> int:
+        """The last committed token: not in the target's cache yet."""
+        return self.context[-1]
+
+    def room(self) -> int:
+        """How many more tokens the next target forward may produce (proposals + 1)."""
+        return min(self.params.max_tokens - len(self.output), self.n_ctx - len(self.context) + 1)
+
+    def should_continue(self, should_stop: Callable[[], bool]) -> bool:
+        if self.reason is None and should_stop():
+            self.reason = "cancelled"
+        if self.reason is None and self.room() <= 0:
+            self.reason = "length"
+        return self.reason is None
+
+    # -- tokens of one step -------------------------------------------------
+
+    def commit(self, token: int, kind: str, correction: bool = False) -> Token | None:
+        """Add a verified token to the output. Returns its event, or None for an end-of-generation token."""
+        if self.model.is_eog(token):
+            self.reason = "eos"
+            return None
+        self.output.append(token)
+        self.context.append(token)
+        text = self._stream.push(token)
+        if self._stream.stopped:
+            self.reason = "stop"
+        elif len(self.output) >= self.params.max_tokens or len(self.context) > self.n_ctx:
+            self.reason = "length"
+        return Token(token, text, kind, correction)  # type: ignore[arg-type]
+
+    def commit_step(self, proposals: Sequence[int], n_accepted: int, next_token: int) -> list[Token]:
+        """Events of a verified chain: accepted proposals, the first refused one, then the target's token."""
+        events: list[Token] = []
+        for tok in proposals[:n_accepted]:
+            ev = self.commit(tok, ACCEPTED)
+            if ev is not None:
+                events.append(ev)
+            if self.reason is not None:
+                return events
+        rejected = n_accepted < len(proposals)
+        if rejected:
+            events.append(self.rejected(proposals[n_accepted]))
+        ev = self.commit(next_token, TARGET, correction=rejected)
+        if ev is not None:
+            events.append(ev)
+        return events
+
+    def rejected(self, token: int) -> Token:
+        return Token(token, self.model.piece(token).decode("utf-8", errors="replace"), REJECTED)
+
+    def end_step(self, drafted: int, accepted: int) -> StepEnd:
+        self.forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+        now = time.perf_counter()
+        seconds, self._step_t0 = now - self._step_t0, now
+        return StepEnd(drafted, accepted, seconds)
+
+    # -- the end ------------------------------------------------------------
+
+    def stats(self) -> GenStats:
+        return GenStats(
+            strategy=self.strategy,
+            prompt_tokens=self.n_prompt,
+            prompt_cached=self._n_cached,
+            prompt_seconds=self._prompt_seconds,
+            generated_tokens=len(self.output),
+            decode_seconds=time.perf_counter() - self._t_decode,
+            target_forwards=self.forwards,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            accepted_per_position=tuple(self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))),
+            drafted_per_position=tuple(self.drafted_at),
+            extra=dict(self.extra),
+        )
+
+    def done(self, error: Exception | None = None) -> Done:
+        reason: DoneReason = "error" if error is not None else (self.reason or "length")
+        tail = self._stream.flush()  # text held back for a stop string that never came
+        return Done(reason, self.stats(), tuple(self.output), self._stream.text, tail, str(error) if error else None)

@@ -1,0 +1,101 @@
+"""Sampling parameters and the one logits -> probabilities transform.
+
+Every strategy, for the target and for the draft, goes through `probabilities`
+so that speculative verification compares like with like (SPEC section 5).
+The order is the one Hugging Face's `generate` uses: temperature, then top-k,
+then top-p (nucleus, Holtzman et al. 2020), then min-p (Nguyen et al. 2024).
+Temperature 0 means greedy decoding: argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Logits further than this below the maximum have a probability under e^-30
+# relative to the top token (their total mass is < 1e-7 even over a 262k vocab).
+# Cutting them before sorting keeps top-p fast on large vocabularies.
+_NEGLIGIBLE_LOGIT_GAP = 30.0
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """What the user asks of one generation. Defaults follow llama.cpp's."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError("min_p must be in [0, 1)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def argmax(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """Probability of the most likely token under softmax(logits): the draft's confidence."""
+    x = logits.astype(np.float64, copy=False)
+    return float(1.0 / np.exp(x - x.max()).sum())
+
+
+def probabilities(logits: np.ndarray, params: GenParams) -> np.ndarray:
+    """Dense probability vector (float64, zeros outside the kept candidates)."""
+    if params.greedy:
+        out = np.zeros(logits.shape[0], dtype=np.float64)
+        out[argmax(logits)] = 1.0
+        return out
+    x = logits.astype(np.float64) / params.temperature
+    n = x.shape[0]
+    if 0 < params.top_k < n:
+        ids = np.argpartition(-x, params.top_k - 1)[: params.top_k]
+    else:
+        ids = np.flatnonzero(x >= x.max() - _NEGLIGIBLE_LOGIT_GAP)
+    vals = x[ids]
+    order = np.argsort(-vals, kind="stable")
+    ids, vals = ids[order], vals[order]
+    probs = np.exp(vals - vals[0])
+    probs /= probs.sum()
+    keep = len(probs)
+    if params.top_p < 1.0:
+        # Smallest prefix whose mass reaches top_p (at least one token).
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
+    if params.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
+    ids, probs = ids[:keep], probs[:keep]
+    out = np.zeros(n, dtype=np.float64)
+    out[ids] = probs / probs.sum()
+    return out
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a (not necessarily normalised) non-negative vector."""
+    ids = np.flatnonzero(probs)
+    if ids.size == 1:
+        return int(ids[0])
+    cdf = np.cumsum(probs[ids])
+    j = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(ids[min(j, ids.size - 1)])

@@ -1,0 +1,110 @@
+"""`sps`: draft-model speculative sampling.
+
+Leviathan, Kalman & Matias 2023 (Algorithm 1) and Chen et al. 2023; the loop
+follows llama.cpp's `examples/speculative-simple` with `common/speculative.cpp`:
+the draft model (own context, own KV cache) proposes up to K tokens, the target
+scores `[last token, d1..dK]` in one batch with logits on every row, and both
+caches are rolled back past the first rejection.
+
+K adapts twice: drafting stops early when the draft's top probability falls
+under `p_min` (llama.cpp's `--draft-p-min`), and K itself follows Hugging
+Face's "heuristic" schedule (candidate_generator.py): +2 after a step whose
+drafts were all accepted, -1 after a rejection, within [1, K_max].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from backends.events import Event
+from backends.kv import KvSequence
+from backends.run import Run
+from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
+from backends.strategies.base import drive, never
+from backends.verify import Verdict, verify_draft_sampling, verify_greedy
+
+
+@dataclass(frozen=True)
+class SpsConfig:
+    draft_max: int = 4
+    p_min: float = 0.5
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise ValueError("--draft-max must be at least 1")
+        if not 0.0 <= self.p_min < 1.0:
+            raise ValueError("--draft-p-min must be in [0, 1)")
+
+
+class SpeculativeSampling:
+    name = "sps"
+
+    def __init__(self, target: KvSequence, draft: KvSequence, config: SpsConfig = SpsConfig()) -> None:
+        self.target = target
+        self.draft = draft
+        self.config = config
+
+    def generate(
+        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
+    ) -> Iterator[Event]:
+        run = Run(self.name, self.target.ctx.model, params, prompt, min(self.target.n_ctx, self.draft.n_ctx))
+        cfg = self.config
+        k_cur = cfg.draft_max
+
+        def prefill() -> int:
+            self.draft.sync(prompt[:-1], logits=False)
+            return self.target.sync(prompt[:-1], logits=False)
+
+        def propose(k: int) -> tuple[list[int], list[np.ndarray]]:
+            """Up to k draft tokens and, when sampling, the draft distribution each was drawn from."""
+            tokens: list[int] = []
+            dists: list[np.ndarray] = []
+            if k == 0:
+                return tokens, dists
+            self.draft.sync(run.context)
+            for i in range(k):
+                logits = self.draft.logits()
+                if params.greedy:
+                    tok = argmax(logits)
+                    confidence = top_probability(logits) if cfg.p_min > 0 else 1.0
+                else:
+                    q = probabilities(logits, params)
+                    tok = sample(q, run.rng)
+                    confidence = float(q.max())
+                    dists.append(q)
+                if confidence < cfg.p_min:
+                    dists[i:] = []
+                    break
+                tokens.append(tok)
+                if i + 1 < k:
+                    self.draft.extend([tok])
+            return tokens, dists
+
+        def verify(drafts: list[int], dists: list[np.ndarray]) -> Verdict:
+            self.target.extend([run.pending, *drafts], logits="all")
+            if params.greedy:
+                return verify_greedy(drafts, lambda i: argmax(self.target.logits(i)))
+            return verify_draft_sampling(
+                drafts, dists, lambda i: probabilities(self.target.logits(i), params), run.rng
+            )
+
+        def step() -> Iterator[Event]:
+            nonlocal k_cur
+            drafts, dists = propose(min(k_cur, run.room() - 1))
+            n_cached = len(run.context)
+            verdict = verify(drafts, dists)
+            # The target's cache keeps the pending token and the accepted drafts.
+            self.target.truncate(n_cached + verdict.n_accepted)
+            yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token)
+            yield run.end_step(len(drafts), verdict.n_accepted)
+            if cfg.adaptive and drafts:
+                if verdict.n_accepted == len(drafts):
+                    k_cur = min(cfg.draft_max, k_cur + 2)
+                else:
+                    k_cur = max(1, k_cur - 1)
+
+        return drive(run, prefill, step, should_stop)

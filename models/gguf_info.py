@@ -1,0 +1,183 @@
+"""GGUF metadata and validation (GGUF spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md; header parsed by
+models.gguf_header, type names from the `gguf` package).
+
+llama.cpp trusts its input: a truncated file, tensor data past the end of the
+file or a duplicated vocabulary entry can abort the whole process inside
+llama.cpp (GGML_ASSERT). `validate_gguf` checks each of these
+first and raises a `ModelError` with one clear line instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from models.errors import ModelError
+from models.gguf_header import GGUFHeader, HeaderError, NeedMoreData, parse_header
+
+_KNOWN_ARCHITECTURES = frozenset(gguf.MODEL_ARCH_NAMES.values())
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What specchat needs to know about a GGUF file before loading it."""
+
+    path: Path
+    size_bytes: int
+    architecture: str
+    name: str | None
+    quantization: str | None
+    n_params: int
+    n_tensors: int
+    context_length: int | None
+    embedding_length: int | None
+    block_count: int | None
+    tokenizer_model: str | None
+    tokens: tuple[str, ...]
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool | None
+    add_eos: bool | None
+    chat_template: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the vocabulary, for `models info` and logs."""
+        return {
+            "path": str(self.path),
+            "size_bytes": self.size_bytes,
+            "architecture": self.architecture,
+            "name": self.name,
+            "quantization": self.quantization,
+            "n_params": self.n_params,
+            "n_tensors": self.n_tensors,
+            "context_length": self.context_length,
+            "embedding_length": self.embedding_length,
+            "block_count": self.block_count,
+            "tokenizer_model": self.tokenizer_model,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "has_chat_template": self.chat_template is not None,
+        }
+
+
+def _quantization_name(file_type: Any) -> str | None:
+    if file_type is None:
+        return None
+    try:
+        name = gguf.LlamaFileType(int(file_type)).name
+    except ValueError:
+        return f"type {file_type}"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def _check_tensors(where: str, header: GGUFHeader, size: int) -> None:
+    names: set[str] = set()
+    for t in header.tensors:
+        if t.name in names:
+            raise ModelError(f"{where}: malformed GGUF: tensor {t.name} appears twice")
+        names.add(t.name)
+        end = header.data_offset + t.offset + t.n_bytes
+        if end > size:
+            raise ModelError(
+                f"{where}: truncated GGUF: tensor {t.name} ends at byte {end} but the file has {size} bytes"
+            )
+
+
+def _check_vocab(where: str, tokens: tuple[str, ...]) -> None:
+    if len(set(tokens)) == len(tokens):
+        return
+    seen: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if tok in seen:
+            raise ModelError(
+                f"{where}: malformed vocabulary: token {tok!r} appears twice (ids {seen[tok]} and {i})"
+            )
+        seen[tok] = i
+
+
+def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
+    """Check a parsed header and describe the model. `size` is the whole file's size in bytes."""
+    where = str(path)
+    meta = header.metadata
+    _check_tensors(where, header, size)
+    arch = meta.get("general.architecture")
+    if not arch:
+        raise ModelError(f"{where}: GGUF has no general.architecture")
+    if arch not in _KNOWN_ARCHITECTURES:
+        raise ModelError(f"{where}: unknown model architecture {arch!r}")
+    tokens = tuple(meta.get("tokenizer.ggml.tokens") or ())
+    if not tokens:
+        raise ModelError(f"{where}: GGUF has no vocabulary (tokenizer.ggml.tokens)")
+    _check_vocab(where, tokens)
+
+    def flag(key: str) -> bool | None:
+        value = meta.get(key)
+        return None if value is None else bool(value)
+
+    return GGUFInfo(
+        path=path,
+        size_bytes=size,
+        architecture=arch,
+        name=meta.get("general.name"),
+        quantization=_quantization_name(meta.get("general.file_type")),
+        n_params=sum(t.n_elements for t in header.tensors),
+        n_tensors=len(header.tensors),
+        context_length=meta.get(f"{arch}.context_length"),
+        embedding_length=meta.get(f"{arch}.embedding_length"),
+        block_count=meta.get(f"{arch}.block_count"),
+        tokenizer_model=meta.get("tokenizer.ggml.model"),
+        tokens=tokens,
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+        add_bos=flag("tokenizer.ggml.add_bos_token"),
+        add_eos=flag("tokenizer.ggml.add_eos_token"),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _read(path: Path) -> GGUFInfo:
+    if not path.is_file():
+        raise ModelError(f"{path}: not a file")
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelError(f"{path}: empty file, not a GGUF")
+    try:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            header = parse_header(mm)
+    except NeedMoreData:
+        raise ModelError(f"{path}: truncated GGUF (the file ends inside its header)") from None
+    except HeaderError as e:
+        raise ModelError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror})") from None
+    return info_from_header(path, header, size)
+
+
+@lru_cache(maxsize=16)
+def _read_cached(path: Path, size: int, mtime_ns: int) -> GGUFInfo:
+    return _read(path)
+
+
+def validate_gguf(path: str | Path) -> GGUFInfo:
+    """Read and validate a GGUF file; raises ModelError with one clear line when it is unusable."""
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{p}: no such file") from None
+    except OSError as e:
+        raise ModelError(f"{p}: cannot read ({e.strerror})") from None
+    return _read_cached(p.resolve(), st.st_size, st.st_mtime_ns)

@@ -1,0 +1,124 @@
+"""Tiny llama-architecture GGUF files written with `gguf.GGUFWriter`.
+
+Random weights, a SentencePiece-style vocabulary (byte tokens plus a few
+words), F32 tensors: llama.cpp loads them in milliseconds, so the tests run the
+real engine on real files. A draft is the target plus Gaussian noise: the
+larger the noise, the lower the acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# SentencePiece token types as llama.cpp reads them.
+_NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
+
+WORDS = (
+    "the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "house", "big",
+    "small", "red", "blue", "once", "upon", "time", "there", "was", "code", "def",
+    "return", "print", "hello", "world", ",", ".", "!", "?", "is", "in",
+)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: tuple[str, ...]
+    scores: tuple[float, ...]
+    types: tuple[int, ...]
+
+
+def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True) -> Vocab:
+    """<unk>, <s>, </s>, optionally the 256 byte tokens, then '▁word' and 'word' pieces."""
+    tokens: list[str] = ["<unk>", "<s>", "</s>"]
+    types = [_UNKNOWN, _CONTROL, _CONTROL]
+    if with_bytes:
+        tokens += [f"<0x{b:02X}>" for b in range(256)]
+        types += [_BYTE] * 256
+    else:
+        tokens.append("<0x0A>")  # llama.cpp looks up the newline token when loading
+        types.append(_BYTE)
+    for w in words:
+        for piece in (f"\u2581{w}", w):
+            if piece not in tokens:
+                tokens.append(piece)
+                types.append(_NORMAL)
+    scores = [0.0] * len(tokens)
+    for i, t in enumerate(tokens):
+        if types[i] == _NORMAL:
+            scores[i] = -float(i) / 100.0 + (2.0 if t.startswith("\u2581") else 0.0)
+    return Vocab(tuple(tokens), tuple(scores), tuple(types))
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_ff: int = 128
+    n_ctx: int = 1024
+    seed: int = 0
+    logit_scale: float = 0.6  # output weight std: larger -> peakier distributions, fewer near-ties
+
+
+def write_llama_gguf(
+    path: Path,
+    vocab: Vocab | None = None,
+    model: TinyModel = TinyModel(),
+    noise: float = 0.0,
+    noise_seed: int = 1,
+    architecture: str = "llama",
+) -> Path:
+    """Write a loadable llama GGUF. `noise` > 0 perturbs every weight (a 'draft' of the seed's model)."""
+    vocab = vocab or spm_vocab()
+    rng = np.random.default_rng(model.seed)
+    noise_rng = np.random.default_rng(noise_seed)
+    n_vocab, d, f = len(vocab.tokens), model.n_embd, model.n_ff
+
+    def weight(shape: tuple[int, ...], std: float) -> np.ndarray:
+        w = rng.normal(0.0, std, size=shape)
+        if noise > 0:
+            w = w + noise_rng.normal(0.0, noise * std, size=shape)
+        return w.astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name("tiny-test")
+    w.add_context_length(model.n_ctx)
+    w.add_embedding_length(d)
+    w.add_block_count(model.n_layer)
+    w.add_feed_forward_length(f)
+    w.add_head_count(model.n_head)
+    w.add_head_count_kv(model.n_head)
+    w.add_rope_dimension_count(d // model.n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_scores(list(vocab.scores))
+    w.add_token_types(list(vocab.types))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    w.add_tensor("token_embd.weight", weight((n_vocab, d), 1.0))
+    for i in range(model.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{name}.weight", weight((d, d), 1.0 / np.sqrt(d)))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", weight((f, d), 1.0 / np.sqrt(d)))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", weight((f, d), 1.0 / np.sqrt(d)))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", weight((d, f), 1.0 / np.sqrt(f)))
+    w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+    w.add_tensor("output.weight", weight((n_vocab, d), model.logit_scale))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
