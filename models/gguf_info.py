@@ -10,7 +10,6 @@ first and raises a `ModelError` with one clear line instead.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -148,6 +147,24 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
     )
 
 
+_FIRST_READ = 8 << 20  # a 262k-token vocabulary header is about 6 MB
+
+
+def _parse_file_header(path: Path, size: int) -> GGUFHeader:
+    """Parse the header from a prefix of the file, reading more only if the header is longer."""
+    want = min(size, _FIRST_READ)
+    with path.open("rb") as f:
+        while True:
+            f.seek(0)
+            data = f.read(want)
+            try:
+                return parse_header(data)
+            except NeedMoreData:
+                if want >= size:
+                    raise
+                want = min(size, want * 4)
+
+
 def _read(path: Path) -> GGUFInfo:
     if not path.is_file():
         raise ModelError(f"{path}: not a file")
@@ -155,8 +172,7 @@ def _read(path: Path) -> GGUFInfo:
     if size == 0:
         raise ModelError(f"{path}: empty file, not a GGUF")
     try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            header = parse_header(mm)
+        header = _parse_file_header(path, size)
     except NeedMoreData:
         raise ModelError(f"{path}: truncated GGUF (the file ends inside its header)") from None
     except HeaderError as e:

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny GGUF files written per session, engines over them, and the real demo pair."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_factory import TinyModel, spm_vocab, write_llama_gguf  # noqa: E402
+
+from backends.engine import Engine, EngineConfig  # noqa: E402
+
+# Words for a second, different vocabulary: same size, other text.
+OTHER_WORDS = tuple(f"w{i}" for i in range(32))
+# A 12-word vocabulary without byte tokens, for statistical tests on exact distributions.
+TINY_VOCAB_WORDS = ("a", "b", "c", "d", "e", "f")
+
+
+@dataclass(frozen=True)
+class TinyFiles:
+    target: Path
+    draft: Path  # target + noise: partial acceptance
+    same_draft: Path  # identical weights: acceptance 1 at temperature 0
+    other_vocab: Path  # incompatible vocabulary
+    small_target: Path  # tiny vocabulary, peaky enough for chi-square tests
+    small_draft: Path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyFiles:
+    d = tmp_path_factory.mktemp("tiny")
+    small_vocab = spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)
+    small_model = TinyModel(logit_scale=0.35)
+    return TinyFiles(
+        target=write_llama_gguf(d / "target.gguf"),
+        draft=write_llama_gguf(d / "draft.gguf", noise=0.3),
+        same_draft=write_llama_gguf(d / "same.gguf", noise=0.0),
+        other_vocab=write_llama_gguf(d / "other.gguf", vocab=spm_vocab(OTHER_WORDS)),
+        small_target=write_llama_gguf(d / "small_target.gguf", vocab=small_vocab, model=small_model),
+        small_draft=write_llama_gguf(d / "small_draft.gguf", vocab=small_vocab, model=small_model, noise=1.0),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny: TinyFiles) -> Engine:
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def small_engine(tiny: TinyFiles) -> Engine:
+    engine = Engine(EngineConfig(target=tiny.small_target, draft=tiny.small_draft, n_ctx=256, threads=1))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def demo_pair():
+    """The real Gemma 3 270M pair (F32 target, Q3_K_M draft), built once into the data dir."""
+    from models.demo import ensure_demo_pair
+
+    return ensure_demo_pair(lambda msg: print(msg, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_pair) -> Engine:
+    engine = Engine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, n_ctx=1024, threads=os.cpu_count()))
+    yield engine
+    engine.close()

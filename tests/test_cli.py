@@ -1,0 +1,119 @@
+"""`specchat run` / `demo` as a user drives them: streams, JSON lines, exit codes, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from backends.llama import LlamaModel
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    # One thread: the tiny models gain nothing from more, and a spinning thread
+    # pool on an oversubscribed 2-core machine costs 100x.
+    return subprocess.run([sys.executable, "-m", "app", *args, "-t", "1"], capture_output=True, text=True, input=stdin, timeout=600)
+
+
+def test_text_on_stdout_stats_on_stderr(tiny) -> None:
+    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "24", "--stats", "--no-color")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "tok/s" not in r.stdout
+    assert "strategy sps" in r.stderr and "tok/s" in r.stderr and "drafted" in r.stderr
+
+
+def test_json_lines_parse_and_done_tokens_decode_to_text(tiny) -> None:
+    r = _cli("run", "once upon a time", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert events[0]["type"] == "prefilled" and events[-1]["type"] == "done"
+    assert {e["type"] for e in events} == {"prefilled", "token", "step", "done"}
+    done = events[-1]
+    out = [e for e in events if e["type"] == "token" and e["kind"] != "rejected"]
+    assert [e["id"] for e in out] == done["tokens"]
+    assert "".join(e["text"] for e in out) == done["text"]
+    assert done["stats"]["generated_tokens"] == len(done["tokens"]) == 40
+    for key in ("prompt_tokens", "prompt_seconds", "decode_seconds", "tokens_per_second", "target_forwards",
+                "drafted", "accepted", "acceptance_rate", "mean_accepted_per_forward", "accepted_per_position"):
+        assert key in done["stats"]
+    model = LlamaModel(tiny.target)
+    assert model.detokenize(done["tokens"]) == done["text"]
+
+
+def test_prompt_from_stdin_matches_argument(tiny) -> None:
+    a = _cli("run", "the dog ran", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color")
+    b = _cli("run", "-", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", stdin="the dog ran")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_color_view_marks_accepted_and_rejected(tiny) -> None:
+    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--color",
+             "--draft-p-min", "0")
+    assert r.returncode == 0
+    assert "\x1b[32m" in r.stdout  # accepted: green
+    assert "\x1b[9;31m" in r.stdout or "\x1b[31;9m" in r.stdout  # rejected: red, struck through
+    assert "\x1b[34m" in r.stdout  # correction: blue
+
+
+def test_prompt_longer_than_context(tiny) -> None:
+    r = _cli("run", "the cat " * 200, "-m", str(tiny.target), "-s", "ar", "-c", "256")
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "context holds 256" in r.stderr
+
+
+def test_generation_stops_at_context_end(tiny) -> None:
+    r = _cli("run", "the cat", "-m", str(tiny.target), "-md", str(tiny.draft), "-c", "256", "-n", "400", "--json")
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout.splitlines()[-1])
+    assert done["reason"] == "length" and done["stats"]["prompt_tokens"] + len(done["tokens"]) == 257
+
+
+@pytest.mark.parametrize("args", [["--temp", "-1"], ["--top-p", "0"], ["--draft-max", "0"], ["--bogus"]])
+def test_bad_flags_exit_1(tiny, args: list[str]) -> None:
+    r = _cli("run", "hi", "-m", str(tiny.target), "-md", str(tiny.draft), *args)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_sps_without_draft_is_a_user_error(tiny) -> None:
+    r = _cli("run", "hi", "-m", str(tiny.target), "-s", "sps")
+    assert r.returncode == 1 and "needs a draft model" in r.stderr
+
+
+def test_stop_string_ends_generation(tiny) -> None:
+    full = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json")
+    text = json.loads(full.stdout.splitlines()[-1])["text"]
+    stop = text[10:13]
+    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json", "--stop", stop)
+    done = json.loads(r.stdout.splitlines()[-1])
+    assert done["reason"] == "stop" and done["text"] == text[: text.index(stop)]
+
+
+@pytest.mark.demo
+def test_ctrl_c_stops_cleanly_with_text_so_far(demo_pair) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "run", "Once upon a time", "-m", str(demo_pair.target), "-s", "ar",
+         "-n", "2000", "--no-color", "--stats"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    first = proc.stdout.read(20)  # wait until text streams
+    assert first
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "stopped: cancelled" in err
+    assert len(first + out) > 20
+
+
+@pytest.mark.demo
+def test_demo_command_runs_the_bundled_pair(demo_pair) -> None:
+    env = {**os.environ}
+    r = subprocess.run([sys.executable, "-m", "app", "demo", "-n", "24"], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b[32m" in r.stdout and "strategy sps" in r.stderr and "accepted" in r.stderr

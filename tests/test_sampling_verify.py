@@ -1,0 +1,135 @@
+"""The sampling transform and the verification rules, checked against exact distributions.
+
+Statistical checks use a chi-square goodness-of-fit test at significance 1e-4
+with fixed seeds: a correct rule fails with probability 1e-4 per check, a rule
+that is off by a few percent of mass fails almost surely at these sample sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from backends.sampling import GenParams, probabilities, sample
+from backends.verify import Verdict, choose_among_candidates, verify_draft_sampling, verify_greedy, verify_one_hot_chain
+
+ALPHA = 1e-4
+
+
+def _fits(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """p-value of the observed counts under expected_probs (cells with zero probability must be empty)."""
+    support = expected_probs > 0
+    assert counts[~support].sum() == 0, "a token with probability 0 was produced"
+    n = counts.sum()
+    return float(chisquare(counts[support], expected_probs[support] / expected_probs[support].sum() * n).pvalue)
+
+
+def _random_dist(rng: np.random.Generator, n: int, zeros: int = 0) -> np.ndarray:
+    p = rng.dirichlet(np.ones(n) * 0.7)
+    if zeros:
+        p[rng.choice(n, zeros, replace=False)] = 0.0
+    return p / p.sum()
+
+
+def test_probabilities_matches_hand_computation() -> None:
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], dtype=np.float32)
+    params = GenParams(temperature=0.5, top_k=4, top_p=0.9, min_p=0.05)
+    x = logits.astype(np.float64) / 0.5
+    soft = np.exp(x[:4] - x[:4].max())
+    soft /= soft.sum()  # top-4 renormalised: about [0.844, 0.114, 0.042, 0.0]
+    keep = int(np.searchsorted(np.cumsum(soft), 0.9)) + 1
+    keep = min(keep, int((soft >= 0.05 * soft[0]).sum()))
+    expected = np.zeros(6)
+    expected[:keep] = soft[:keep] / soft[:keep].sum()
+    np.testing.assert_allclose(probabilities(logits, params), expected, rtol=1e-12)
+
+
+def test_probabilities_without_truncation_is_softmax() -> None:
+    logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    got = probabilities(logits, GenParams(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0))
+    x = logits.astype(np.float64) / 1.3
+    want = np.exp(x - x.max())
+    np.testing.assert_allclose(got, want / want.sum(), rtol=1e-9)
+
+
+def test_greedy_probabilities_are_one_hot() -> None:
+    logits = np.array([0.1, 3.0, 2.9], dtype=np.float32)
+    assert probabilities(logits, GenParams(temperature=0.0)).tolist() == [0.0, 1.0, 0.0]
+
+
+def test_sample_follows_distribution() -> None:
+    rng = np.random.default_rng(1)
+    p = _random_dist(rng, 8, zeros=2)
+    counts = np.bincount([sample(p, rng) for _ in range(20000)], minlength=8)
+    assert _fits(counts, p) > ALPHA
+
+
+def test_verify_greedy_stops_at_first_mismatch() -> None:
+    argmaxes = [5, 6, 7, 8]
+    assert verify_greedy([5, 6, 9], argmaxes.__getitem__) == Verdict(2, 7)
+    assert verify_greedy([5, 6, 7], argmaxes.__getitem__) == Verdict(3, 8)
+    assert verify_greedy([1], argmaxes.__getitem__) == Verdict(0, 5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sampling_first_token_is_target_distributed(seed: int) -> None:
+    """Leviathan et al. Alg. 1 with one draft: the emitted token is distributed as p, for any q."""
+    rng = np.random.default_rng(seed)
+    n = 10
+    p = _random_dist(rng, n, zeros=2)
+    q = _random_dist(rng, n, zeros=3)
+    counts = np.zeros(n, dtype=np.int64)
+    accepted = 0
+    trials = 30000
+    for _ in range(trials):
+        x = sample(q, rng)
+        verdict = verify_draft_sampling([x], [q], lambda i: p, rng)
+        token = x if verdict.n_accepted == 1 else verdict.next_token
+        accepted += verdict.n_accepted
+        counts[token] += 1
+    assert _fits(counts, p) > ALPHA
+    # The acceptance rate is sum(min(p, q)) (Leviathan et al., Theorem 3.5).
+    assert abs(accepted / trials - np.minimum(p, q).sum()) < 0.015
+
+
+def test_rejection_sampling_two_positions_joint_distribution() -> None:
+    """Two drafts: the joint law of the first two output tokens is p1(x) * p2(y | x)."""
+    rng = np.random.default_rng(7)
+    n = 5
+    p1, q1 = _random_dist(rng, n), _random_dist(rng, n)
+    p2 = [_random_dist(rng, n) for _ in range(n)]  # p2[x] = target's next-token law after x
+    q2 = [_random_dist(rng, n) for _ in range(n)]
+    counts = np.zeros((n, n), dtype=np.int64)
+    for _ in range(40000):
+        d1 = sample(q1, rng)
+        d2 = sample(q2[d1], rng)
+        verdict = verify_draft_sampling([d1, d2], [q1, q2[d1]], lambda i: p1 if i == 0 else p2[d1], rng)
+        if verdict.n_accepted == 0:
+            first = verdict.next_token
+            second = sample(p2[first], rng)  # the next step would sample it from the target
+        elif verdict.n_accepted == 1:
+            first, second = d1, verdict.next_token
+        else:
+            first, second = d1, d2
+        counts[first, second] += 1
+    expected = np.array([[p1[x] * p2[x][y] for y in range(n)] for x in range(n)])
+    assert _fits(counts.ravel(), expected.ravel()) > ALPHA
+
+
+def test_one_hot_candidates_are_target_distributed() -> None:
+    """SpecInfer's multi-candidate rule with deterministic candidates keeps p exactly."""
+    rng = np.random.default_rng(3)
+    p = _random_dist(rng, 8, zeros=1)
+    candidates = [int(np.argmax(p)), 2, 5, 2]
+    counts = np.zeros(8, dtype=np.int64)
+    for _ in range(30000):
+        counts[choose_among_candidates(p, candidates, rng)] += 1
+    assert _fits(counts, p) > ALPHA
+
+
+def test_one_hot_chain_accepts_in_proportion_to_target_mass() -> None:
+    rng = np.random.default_rng(4)
+    p = _random_dist(rng, 6)
+    accepted = sum(verify_one_hot_chain([3], lambda i: p, rng).n_accepted for _ in range(20000))
+    assert abs(accepted / 20000 - p[3]) < 0.015
