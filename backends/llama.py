@@ -72,12 +72,24 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-# llama.cpp 0.3.36's AMX matrix kernels (used through the CPU "extra" buffer
-# type on CPUs with AMX) segfault in ggml_backend_amx_mul_mat on K-quant
-# models such as Gemma 3 Q4_K_M. Without extra buffer types the weights stay
-# in the plain CPU buffer and the AVX-512 kernels run instead.
-# SPECCHAT_EXTRA_BUFTS=1 turns them back on.
-_USE_EXTRA_BUFTS = os.environ.get("SPECCHAT_EXTRA_BUFTS") == "1" or not _cpu_has_amx()
+def _build_has_amx() -> bool:
+    return b"AMX_INT8 = 1" in (llama_cpp.llama_print_system_info() or b"")
+
+
+def _use_extra_buffer_types() -> bool:
+    """Whether llama.cpp may place weights in its "extra" CPU buffer types (repacked layouts, AMX).
+
+    llama.cpp 0.3.36's AMX matrix kernels segfault (ggml_backend_amx_mul_mat)
+    on K-quant models such as Gemma 3 Q4_K_M. A native build on a CPU with AMX
+    compiles them in; there, extra buffer types are turned off and the plain
+    AVX-512 kernels run (slower on K-quants than the repacked ones). Building
+    without AMX (README: "Building for your hardware") avoids both problems.
+    SPECCHAT_EXTRA_BUFTS=1 / =0 forces the choice.
+    """
+    forced = os.environ.get("SPECCHAT_EXTRA_BUFTS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not (_cpu_has_amx() and _build_has_amx())
 
 
 def default_threads() -> int:
@@ -93,7 +105,7 @@ class LlamaModel:
         _ensure_backend()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_extra_bufts = _USE_EXTRA_BUFTS
+        params.use_extra_bufts = _use_extra_buffer_types()
         ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
             raise ModelError(f"{self.path}: llama.cpp could not load this model (run with --debug for its log)")
