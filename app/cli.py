@@ -16,11 +16,20 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from app.render import TextView, event_json, stats_lines
+from backends.strategies.lookahead import LookaheadConfig
+from backends.strategies.lookup import LookupConfig
+from backends.strategies.sps import SpsConfig
 
 EXIT_USER = 1
 EXIT_RUNTIME = 2
 EXIT_INTERRUPTED = 130
 DEMO_PROMPT = "Once upon a time, in a small village,"
+STRATEGY_HELP = {
+    "ar": "plain decoding",
+    "sps": "draft-model speculative sampling",
+    "lookahead": "lookahead decoding (Jacobi window + n-gram pool)",
+    "lookup": "prompt lookup decoding",
+}
 
 
 class UserError(Exception):
@@ -34,7 +43,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("-s", "--strategy", default="sps", choices=["ar", "sps"], help="decoding strategy (default: sps)")
+    g.add_argument("-s", "--strategy", default="sps", choices=list(STRATEGY_HELP),
+                   help="; ".join(f"{k}: {v}" for k, v in STRATEGY_HELP.items()) + " (default: sps)")
     g.add_argument("-n", "--n-predict", type=int, default=128, dest="max_tokens", help="tokens to generate (default: 128)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
     g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: 40)")
@@ -43,10 +53,24 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s = p.add_argument_group("speculation")
-    s.add_argument("--draft-max", type=int, default=4, help="K: most tokens drafted per step (default: 4)")
-    s.add_argument("--draft-p-min", type=float, default=0.5,
-                   help="stop drafting when the draft's top probability is below this (default: 0.5)")
-    s.add_argument("--no-adaptive", action="store_true", help="keep K fixed instead of adapting it to acceptance")
+    s.add_argument("--draft-max", type=int, default=None,
+                   help=f"K: most tokens proposed per step (default: {SpsConfig.draft_max} for sps, "
+                        f"{LookupConfig.draft_max} for lookup)")
+    s.add_argument("--draft-p-min", type=float, default=SpsConfig.p_min,
+                   help=f"stop drafting when the draft's top probability is below this (default: {SpsConfig.p_min})")
+    s.add_argument("--no-adaptive", action="store_true", help="sps: keep K fixed instead of adapting it to acceptance")
+    s.add_argument("-W", "--lookahead-window", type=int, default=LookaheadConfig.window,
+                   help=f"lookahead: window width W (default: {LookaheadConfig.window})")
+    s.add_argument("-N", "--lookahead-ngram", type=int, default=LookaheadConfig.ngram,
+                   help=f"lookahead: n-gram size N, window levels N-1 (default: {LookaheadConfig.ngram})")
+    s.add_argument("-G", "--lookahead-guesses", type=int, default=LookaheadConfig.guesses,
+                   help=f"lookahead: most n-grams verified per step G (default: {LookaheadConfig.guesses})")
+    s.add_argument("--lookahead-seed-prompt", action="store_true",
+                   help="lookahead: fill the n-gram pool from the prompt's own n-grams first")
+    s.add_argument("--lookup-ngram-max", type=int, default=LookupConfig.ngram_max,
+                   help=f"lookup: longest suffix to match in the context (default: {LookupConfig.ngram_max})")
+    s.add_argument("--lookup-ngram-min", type=int, default=LookupConfig.ngram_min,
+                   help=f"lookup: shortest suffix to match (default: {LookupConfig.ngram_min})")
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
@@ -112,11 +136,10 @@ class _Interrupt:
 
 def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
     # Imported here so that `specchat --help` stays instant.
-    from backends.engine import Engine, EngineConfig
+    from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
     from backends.events import Done
     from backends.run import PromptError
     from backends.sampling import GenParams
-    from backends.strategies.sps import SpsConfig
     from models.resolve import resolve_model
 
     prompt_text = _read_prompt(args.prompt)
@@ -125,10 +148,16 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
             max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
         )
-        sps = SpsConfig(draft_max=args.draft_max, p_min=args.draft_p_min, adaptive=not args.no_adaptive)
+        k = {} if args.draft_max is None else {"draft_max": args.draft_max}
+        options = StrategyOptions(
+            sps=SpsConfig(p_min=args.draft_p_min, adaptive=not args.no_adaptive, **k),
+            lookahead=LookaheadConfig(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses,
+                                      args.lookahead_seed_prompt),
+            lookup=LookupConfig(ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, **k),
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.strategy == "ar":
+    if args.strategy not in NEEDS_DRAFT:
         draft_ref = None
     elif draft_ref is None:
         raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
@@ -137,9 +166,13 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
     engine = Engine(EngineConfig(
         target=target, draft=draft, n_ctx=args.ctx_size, n_batch=args.batch_size, threads=args.threads,
         n_gpu_layers=args.gpu_layers, n_gpu_layers_draft=args.gpu_layers_draft,
+        n_seq_max=n_seq_needed(args.strategy, options.lookahead),
     ))
     try:
-        strategy = engine.strategy(args.strategy, sps)
+        try:
+            strategy = engine.strategy(args.strategy, options)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         tokens = engine.tokenize(prompt_text)
         color = sys.stdout.isatty() if args.color is None else args.color
         view = TextView(sys.stdout, color)
@@ -181,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.color is None:
                 args.color = True
             args.stats = True
-            return generate(args, "demo", None if args.strategy == "ar" else "demo-draft")
+            return generate(args, "demo", "demo-draft")
         return generate(args, args.model, args.model_draft)
     except (UserError, ModelError) as e:
         if args.debug:

@@ -86,4 +86,6 @@ def stats_lines(stats: GenStats, reason: str) -> list[str]:
             f"drafted {stats.drafted}, accepted {stats.accepted} ({100 * stats.acceptance_rate:.1f}%); "
             f"accepted/drafted by position: {per_pos}"
         )
+    if stats.extra:
+        lines.append(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.extra.items()))
     return lines

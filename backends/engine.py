@@ -8,20 +8,26 @@ loaded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from backends.kv import KvSequence
 from backends.llama import ContextConfig, LlamaContext, LlamaModel
 from backends.strategies.ar import Autoregressive
 from backends.strategies.base import Strategy
+from backends.strategies.lookahead import LookaheadConfig, LookaheadDecoding
+from backends.strategies.lookup import LookupConfig, PromptLookup
 from backends.strategies.sps import SpeculativeSampling, SpsConfig
 from models.compat import require_compatible
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
 
-STRATEGIES = ("ar", "sps")
+STRATEGIES = ("ar", "sps", "lookahead", "lookup")
 NEEDS_DRAFT = frozenset({"sps"})
+
+
+def n_seq_needed(strategy: str, lookahead: LookaheadConfig) -> int:
+    return lookahead.n_seq_max if strategy == "lookahead" else 1
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,17 @@ class EngineConfig:
     threads: int | None = None
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
+    # Sequence ids the target's context allows: lookahead needs W + G + 1.
+    n_seq_max: int = 1
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Settings of every strategy; each takes its own part."""
+
+    sps: SpsConfig = SpsConfig()
+    lookahead: LookaheadConfig = LookaheadConfig()
+    lookup: LookupConfig = LookupConfig()
 
 
 class Engine:
@@ -43,7 +60,8 @@ class Engine:
             require_compatible(target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
         self.target_model = LlamaModel(config.target, config.n_gpu_layers)
-        self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
+        target_config = replace(ctx_config, n_seq_max=config.n_seq_max)
+        self.target = KvSequence(LlamaContext(self.target_model, target_config))
         self.draft_model: LlamaModel | None = None
         self.draft: KvSequence | None = None
         if config.draft is not None:
@@ -53,13 +71,17 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.target_model.tokenize(text, add_special=True, parse_special=True)
 
-    def strategy(self, name: str, sps: SpsConfig = SpsConfig()) -> Strategy:
+    def strategy(self, name: str, options: StrategyOptions = StrategyOptions()) -> Strategy:
         if name == "ar":
             return Autoregressive(self.target)
         if name == "sps":
             if self.draft is None:
                 raise ModelError("strategy 'sps' needs a draft model (-md DRAFT)")
-            return SpeculativeSampling(self.target, self.draft, sps)
+            return SpeculativeSampling(self.target, self.draft, options.sps)
+        if name == "lookahead":
+            return LookaheadDecoding(self.target, options.lookahead)
+        if name == "lookup":
+            return PromptLookup(self.target, options.lookup)
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
     def close(self) -> None:

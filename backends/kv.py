@@ -97,6 +97,16 @@ class KvSequence:
         self.extend(tokens[keep:], "last" if logits else "none")
         return keep
 
+    def share_with(self, n_seqs: int) -> None:
+        """Make sequences 1..n_seqs-1 hold exactly sequence 0's cells (a unified cache shares them, no copy)."""
+        for seq in range(1, n_seqs):
+            self.ctx.seq_rm(seq, -1, -1)
+            self.ctx.seq_cp(0, seq, -1, -1)
+
+    def adopt(self, tokens: Sequence[int]) -> None:
+        """Record what sequence 0 holds after a caller decoded and pruned a multi-sequence batch itself."""
+        self.tokens = list(tokens)
+
     def logits(self, row: int | None = None):
         return self.ctx.logits(self.last_row if row is None else row)
 

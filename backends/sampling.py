@@ -57,9 +57,12 @@ def argmax(logits: np.ndarray) -> int:
 
 
 def top_probability(logits: np.ndarray) -> float:
-    """Probability of the most likely token under softmax(logits): the draft's confidence."""
-    x = logits.astype(np.float64, copy=False)
-    return float(1.0 / np.exp(x - x.max()).sum())
+    """Probability of the most likely token under softmax(logits): the draft's confidence.
+
+    float32 on purpose: it is only compared with a threshold, and it runs once
+    per drafted token (4x cheaper than float64 over a 262k vocabulary).
+    """
+    return float(1.0 / np.exp(logits - logits.max()).sum(dtype=np.float64))
 
 
 def probabilities(logits: np.ndarray, params: GenParams) -> np.ndarray:
@@ -68,13 +71,14 @@ def probabilities(logits: np.ndarray, params: GenParams) -> np.ndarray:
         out = np.zeros(logits.shape[0], dtype=np.float64)
         out[argmax(logits)] = 1.0
         return out
-    x = logits.astype(np.float64) / params.temperature
-    n = x.shape[0]
+    # Select candidates on the raw float32 logits (temperature does not change
+    # their order), then work in float64 on the few that remain.
+    n = logits.shape[0]
     if 0 < params.top_k < n:
-        ids = np.argpartition(-x, params.top_k - 1)[: params.top_k]
+        ids = np.argpartition(logits, n - params.top_k)[n - params.top_k :]
     else:
-        ids = np.flatnonzero(x >= x.max() - _NEGLIGIBLE_LOGIT_GAP)
-    vals = x[ids]
+        ids = np.flatnonzero(logits >= logits.max() - _NEGLIGIBLE_LOGIT_GAP * params.temperature)
+    vals = logits[ids].astype(np.float64) / params.temperature
     order = np.argsort(-vals, kind="stable")
     ids, vals = ids[order], vals[order]
     probs = np.exp(vals - vals[0])

@@ -19,6 +19,8 @@ from backends.engine import Engine, EngineConfig  # noqa: E402
 OTHER_WORDS = tuple(f"w{i}" for i in range(32))
 # A 12-word vocabulary without byte tokens, for statistical tests on exact distributions.
 TINY_VOCAB_WORDS = ("a", "b", "c", "d", "e", "f")
+# Enough sequence ids for every lookahead setting the tests use (W + G + 1).
+N_SEQ_MAX = 32
 
 
 @dataclass(frozen=True)
@@ -42,20 +44,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyFiles:
         same_draft=write_llama_gguf(d / "same.gguf", noise=0.0),
         other_vocab=write_llama_gguf(d / "other.gguf", vocab=spm_vocab(OTHER_WORDS)),
         small_target=write_llama_gguf(d / "small_target.gguf", vocab=small_vocab, model=small_model),
-        small_draft=write_llama_gguf(d / "small_draft.gguf", vocab=small_vocab, model=small_model, noise=1.0),
+        small_draft=write_llama_gguf(d / "small_draft.gguf", vocab=small_vocab, model=small_model, noise=0.5),
     )
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny: TinyFiles) -> Engine:
-    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1))
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1, n_seq_max=N_SEQ_MAX))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="session")
 def small_engine(tiny: TinyFiles) -> Engine:
-    engine = Engine(EngineConfig(target=tiny.small_target, draft=tiny.small_draft, n_ctx=256, threads=1))
+    engine = Engine(EngineConfig(target=tiny.small_target, draft=tiny.small_draft, n_ctx=256, threads=1,
+                                 n_seq_max=N_SEQ_MAX))
     yield engine
     engine.close()
 
@@ -70,6 +73,7 @@ def demo_pair():
 
 @pytest.fixture(scope="session")
 def demo_engine(demo_pair) -> Engine:
-    engine = Engine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, n_ctx=1024, threads=os.cpu_count()))
+    engine = Engine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, n_ctx=1024, threads=os.cpu_count(),
+                                 n_seq_max=N_SEQ_MAX))
     yield engine
     engine.close()

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from backends.engine import Engine
+from backends.engine import Engine, StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
 from backends.sampling import GenParams
-from backends.strategies.sps import SpsConfig
 
 
 def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenParams,
-                sps: SpsConfig = SpsConfig()) -> Done:
+                options: StrategyOptions = StrategyOptions()) -> Done:
     """Generate, assert the SPEC section 4 event order and output invariant, return the Done."""
-    events = list(engine.strategy(strategy, sps).generate(prompt, params))
+    events = list(engine.strategy(strategy, options).generate(prompt, params))
     assert isinstance(events[0], Prefilled)
     assert isinstance(events[-1], Done)
     assert sum(isinstance(e, Done) for e in events) == 1
     body = events[1:-1]
     assert not body or isinstance(body[-1], StepEnd), "every step ends with StepEnd"
     done = events[-1]
+    assert done.reason != "error", done.error
     out_tokens = [e for e in body if isinstance(e, Token) and e.kind != REJECTED]
     assert tuple(e.id for e in out_tokens) == done.tokens
     assert "".join(e.text for e in out_tokens) + done.tail == done.text

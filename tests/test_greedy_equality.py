@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.engine import Engine
+from backends.engine import Engine, StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
 from engine_helpers import run_to_done
@@ -32,7 +32,7 @@ def _check_equal(engine: Engine, text: str, n: int, k: int, adaptive: bool, p_mi
     prompt = engine.tokenize(text)
     params = GenParams(max_tokens=n, temperature=0.0)
     ref = run_to_done(engine, "ar", prompt, params)
-    got = run_to_done(engine, "sps", prompt, params, SpsConfig(draft_max=k, p_min=p_min, adaptive=adaptive))
+    got = run_to_done(engine, "sps", prompt, params, StrategyOptions(sps=SpsConfig(draft_max=k, p_min=p_min, adaptive=adaptive)))
     assert got.stats.drafted > 0
     assert got.tokens == ref.tokens, _explain_mismatch(engine, prompt, ref.tokens, got.tokens)
     assert got.text == ref.text
@@ -63,7 +63,8 @@ def test_identical_draft_accepts_everything(tiny) -> None:
     engine = Engine(EngineConfig(target=tiny.target, draft=tiny.same_draft, n_ctx=512, threads=1))
     try:
         prompt = engine.tokenize(TINY_PROMPTS[1])
-        done = run_to_done(engine, "sps", prompt, GenParams(max_tokens=40), SpsConfig(draft_max=4, p_min=0.0))
+        done = run_to_done(engine, "sps", prompt, GenParams(max_tokens=40),
+                           StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0)))
         assert done.stats.acceptance_rate == 1.0
         assert done.stats.mean_accepted_per_forward > 4.0
     finally:

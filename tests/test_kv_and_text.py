@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.engine import Engine
+from backends.engine import Engine, StrategyOptions
 from backends.kv import KvSequence
 from backends.llama import ContextConfig, LlamaContext
 from backends.sampling import GenParams
@@ -41,7 +41,7 @@ def _fresh_logits(engine: Engine, context: list[int]) -> np.ndarray:
 def test_cache_after_sps_matches_fresh_context(tiny_engine: Engine, temperature: float) -> None:
     prompt = tiny_engine.tokenize("the big red dog ran to the house")
     params = GenParams(max_tokens=60, temperature=temperature, seed=3)
-    done = run_to_done(tiny_engine, "sps", prompt, params, SpsConfig(draft_max=6, p_min=0.0))
+    done = run_to_done(tiny_engine, "sps", prompt, params, StrategyOptions(sps=SpsConfig(draft_max=6, p_min=0.0)))
     assert done.stats.accepted > 0 and done.stats.accepted < done.stats.drafted  # rollbacks happened
     cached = _next_logits_from_cache(tiny_engine, done.tokens, prompt)
     fresh = _fresh_logits(tiny_engine, prompt + list(done.tokens))
@@ -56,7 +56,8 @@ def test_cache_after_sps_matches_fresh_context(tiny_engine: Engine, temperature:
 @pytest.mark.demo
 def test_cache_after_sps_matches_fresh_context_demo(demo_engine: Engine) -> None:
     prompt = demo_engine.tokenize("The quick brown fox")
-    done = run_to_done(demo_engine, "sps", prompt, GenParams(max_tokens=40), SpsConfig(draft_max=4, p_min=0.0))
+    done = run_to_done(demo_engine, "sps", prompt, GenParams(max_tokens=40),
+                       StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0)))
     assert done.stats.accepted < done.stats.drafted
     cached = _next_logits_from_cache(demo_engine, done.tokens, prompt)
     fresh = _fresh_logits(demo_engine, prompt + list(done.tokens))

@@ -24,13 +24,14 @@ from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
 from backends.strategies.base import drive, never
-from backends.verify import Verdict, verify_draft_sampling, verify_greedy
+from backends.strategies.chain import chain_step
 
 
 @dataclass(frozen=True)
 class SpsConfig:
-    draft_max: int = 4
-    p_min: float = 0.5
+    # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (README).
+    draft_max: int = 6
+    p_min: float = 0.4
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -84,23 +85,10 @@ class SpeculativeSampling:
                     self.draft.extend([tok])
             return tokens, dists
 
-        def verify(drafts: list[int], dists: list[np.ndarray]) -> Verdict:
-            self.target.extend([run.pending, *drafts], logits="all")
-            if params.greedy:
-                return verify_greedy(drafts, lambda i: argmax(self.target.logits(i)))
-            return verify_draft_sampling(
-                drafts, dists, lambda i: probabilities(self.target.logits(i), params), run.rng
-            )
-
         def step() -> Iterator[Event]:
             nonlocal k_cur
             drafts, dists = propose(min(k_cur, run.room() - 1))
-            n_cached = len(run.context)
-            verdict = verify(drafts, dists)
-            # The target's cache keeps the pending token and the accepted drafts.
-            self.target.truncate(n_cached + verdict.n_accepted)
-            yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token)
-            yield run.end_step(len(drafts), verdict.n_accepted)
+            verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else dists)
             if cfg.adaptive and drafts:
                 if verdict.n_accepted == len(drafts):
                     k_cur = min(cfg.draft_max, k_cur + 2)

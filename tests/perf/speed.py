@@ -20,7 +20,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backends.engine import Engine, EngineConfig  # noqa: E402
+from backends.engine import Engine, EngineConfig, StrategyOptions  # noqa: E402
 from backends.events import Done  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from backends.strategies.sps import SpsConfig  # noqa: E402
@@ -56,13 +56,13 @@ def llama_cpp_baseline(path: Path, threads: int, n: int, n_ctx: int) -> Callable
     return run
 
 
-def ours(engine: Engine, strategy: str, params: GenParams, sps: SpsConfig) -> Callable[[str], Done]:
+def ours(engine: Engine, strategy: str, params: GenParams, sps: SpsConfig = SpsConfig()) -> Callable[[str], Done]:
     def run(prompt: str) -> Done:
         engine.target.reset()
         if engine.draft is not None:
             engine.draft.reset()
         done = None
-        for ev in engine.strategy(strategy, sps).generate(engine.tokenize(prompt), params):
+        for ev in engine.strategy(strategy, StrategyOptions(sps=sps)).generate(engine.tokenize(prompt), params):
             done = ev
         return done
 
@@ -89,10 +89,9 @@ def main() -> None:
     configs["ar"] = ours(engine, "ar", greedy, SpsConfig())
     if args.sweep:
         for k in (2, 3, 4, 6, 8):
-            for p_min in (0.0, 0.3, 0.5, 0.7):
-                for adaptive in (True, False):
-                    name = f"sps K={k} p_min={p_min} {'adaptive' if adaptive else 'fixed'}"
-                    configs[name] = ours(engine, "sps", greedy, SpsConfig(k, p_min, adaptive))
+            for p_min, adaptive in ((0.0, False), (0.0, True), (0.2, True), (0.4, True), (0.6, True)):
+                name = f"sps K={k} p_min={p_min} {'adaptive' if adaptive else 'fixed'}"
+                configs[name] = ours(engine, "sps", greedy, SpsConfig(k, p_min, adaptive))
     else:
         for temp in args.temp:
             params = GenParams(max_tokens=args.n, temperature=temp, seed=1) if temp > 0 else greedy

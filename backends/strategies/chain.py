@@ -1,0 +1,54 @@
+"""Verifying one chain of proposals in one target forward pass.
+
+Shared by every strategy whose drafter proposes a single sequence (`sps`'s
+draft model, `lookup`'s prompt n-grams): the target scores
+`[last committed token, d1..dk]` with logits on every row (row i holds the
+target's distribution for the token after d_i), the verification rule picks how
+many to keep, and the cache is cut back past the first rejection.
+
+Rules (backends.verify): greedy at temperature 0; with sampling, Leviathan et
+al.'s rejection sampling when the drafter has a distribution q, and the
+one-hot rule (accept with probability p(d)) when its proposals are deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from backends.events import Event
+from backends.kv import KvSequence
+from backends.run import Run
+from backends.sampling import argmax, probabilities
+from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
+
+
+def verify_chain(
+    run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None
+) -> Verdict:
+    """Score the chain on the target and decide; `draft_dists` is None for deterministic proposals."""
+    n_cached = len(run.context)
+    target.extend([run.pending, *drafts], logits="all")
+    params = run.params
+    if params.greedy:
+        verdict = verify_greedy(drafts, lambda i: argmax(target.logits(i)))
+    elif draft_dists is None:
+        verdict = verify_one_hot_chain(drafts, lambda i: probabilities(target.logits(i), params), run.rng)
+    else:
+        verdict = verify_draft_sampling(
+            drafts, draft_dists, lambda i: probabilities(target.logits(i), params), run.rng
+        )
+    # The cache keeps the pending token and the accepted drafts.
+    target.truncate(n_cached + verdict.n_accepted)
+    return verdict
+
+
+def chain_step(
+    run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None
+) -> Iterator[Event]:
+    """One forward pass over a chain: its token events and its StepEnd. Returns the verdict."""
+    verdict = verify_chain(run, target, drafts, draft_dists)
+    yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token)
+    yield run.end_step(len(drafts), verdict.n_accepted)
+    return verdict

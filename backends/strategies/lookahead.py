@@ -1,0 +1,202 @@
+"""`lookahead`: lookahead decoding (Fu, Bailis, Stoica & Zhang 2024, "Break the
+Sequential Dependency of LLM Inference Using Lookahead Decoding"), step for
+step as llama.cpp's examples/lookahead/lookahead.cpp drives it.
+
+Each target forward pass is one batch holding, with their own sequence ids:
+  seq 0          the input token (it belongs to every sequence),
+  seqs 1..W      the lookahead branch: a 2-D window of N-1 levels x W columns of
+                 past Jacobi iterations (column i lives in sequence i+1),
+  seqs W+1..W+G  the verification branch: up to G n-grams from the pool that
+                 start with the input token.
+The target's token after the input is compared with the n-grams' next tokens;
+each match lets one more token through in the same pass (greedy: equality;
+sampling: SpecInfer's one-hot multi-candidate rule, lossless). The window
+shifts by one level per step and its new last level is the target's argmax
+at the last level's rows; every column then yields an n-gram for the pool.
+After the step, cells past the accepted prefix are dropped, and the winning
+n-gram's sequence becomes sequence 0 and is shared with all others again.
+
+Unlike lookahead.cpp, N = 2 (plain Jacobi decoding: the window's single level
+carries logits) and G = 0 (no pool, lookahead branch only) are supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from backends.events import ACCEPTED, TARGET, Event
+from backends.kv import KvSequence
+from backends.run import Run
+from backends.sampling import GenParams, argmax, probabilities, sample
+from backends.strategies.base import drive, never
+from backends.strategies.chain import chain_step
+from backends.strategies.ngram_pool import NgramPool
+from backends.verify import choose_among_candidates
+
+# lookahead.cpp fills the initial window with 100, 101, ... (any tokens work).
+_WINDOW_INIT_TOKEN = 100
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    window: int = 15  # W
+    ngram: int = 5  # N
+    guesses: int = 15  # G
+    seed_pool_from_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError("-W must be at least 1")
+        if self.ngram < 2:
+            raise ValueError("-N must be at least 2")
+        if self.guesses < 0:
+            raise ValueError("-G must be at least 0")
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.window + self.guesses + 1
+
+    @property
+    def batch_size(self) -> int:
+        w, n, g = self.window, self.ngram, self.guesses
+        return 1 + g * (n - 1) + (w - 1) + w * (n - 2)
+
+
+@dataclass
+class _Batch:
+    """Where each part of one lookahead batch landed (row indices for logits)."""
+
+    candidates: list[tuple[int, ...]]  # n-grams from the pool: tokens after the input
+    candidate_rows: list[list[int]]  # [g][v]: row of the v-th token of candidate g's chain (v=0: input)
+    last_level_rows: list[int]  # row per window column whose logits make the new last level
+
+
+class LookaheadDecoding:
+    name = "lookahead"
+
+    def __init__(self, target: KvSequence, config: LookaheadConfig = LookaheadConfig()) -> None:
+        if target.ctx.config.n_seq_max < config.n_seq_max:
+            raise ValueError(
+                f"lookahead W={config.window}, G={config.guesses} needs a context with "
+                f"{config.n_seq_max} sequences (it has {target.ctx.config.n_seq_max})"
+            )
+        if config.batch_size > target.batch.capacity:
+            raise ValueError(f"lookahead batch of {config.batch_size} tokens exceeds the batch size {target.batch.capacity}")
+        self.target = target
+        self.config = config
+
+    def generate(
+        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
+    ) -> Iterator[Event]:
+        cfg, target = self.config, self.target
+        W, N, G = cfg.window, cfg.ngram, cfg.guesses
+        run = Run(self.name, target.ctx.model, params, prompt, target.n_ctx)
+        pool = NgramPool(G)
+        if cfg.seed_pool_from_prompt:
+            pool.seed(prompt, N - 1)
+        n_vocab = target.ctx.n_vocab
+        window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
+        accepted_hist = [0] * N
+        first_token: list[int] = []
+
+        def pick(row: int) -> int:
+            logits = target.logits(row)
+            return argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng)
+
+        def prefill() -> int:
+            # As lookahead.cpp: the whole prompt, then the first token from its logits.
+            cached = target.sync(prompt)
+            first_token.append(pick(target.last_row))
+            return cached
+
+        def build_batch(token: int, n_past: int) -> _Batch:
+            batch = target.batch
+            batch.clear()
+            batch.add(token, n_past, range(W + G + 1), True)
+            candidates = pool.get(token)
+            rows = [[0] * N for _ in candidates]
+            # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
+            for j in range(N - 1):
+                for g, gram in enumerate(candidates):
+                    rows[g][j + 1] = batch.add(gram[j], n_past + j + 1, (W + 1 + g,), True)
+            last_rows = [0] * W  # column 0 of level 0 is the input token itself (row 0)
+            for i in range(1, W):
+                row = batch.add(window[0][i], n_past + i, range(i + 1, W + 1), N == 2)
+                if N == 2:
+                    last_rows[i] = row
+            for j in range(1, N - 1):
+                for i in range(W):
+                    row = batch.add(window[j][i], n_past + j + i, (i + 1,), j == N - 2)
+                    if j == N - 2:
+                        last_rows[i] = row
+            return _Batch(candidates, rows, last_rows)
+
+        def advance_window(b: _Batch, first_of_step: bool) -> None:
+            previous = list(window[0])
+            for j in range(N - 2):
+                window[j] = window[j + 1]
+            if first_of_step:
+                window[N - 2] = [argmax(target.logits(r)) for r in b.last_level_rows]
+                for i in range(W):  # every column is an n-gram continuing its old level-0 token
+                    pool.add(previous[i], [window[j][i] for j in range(N - 1)])
+            else:
+                window[N - 2] = list(window[0])
+
+        def lookahead_step() -> Iterator[Event]:
+            n_past = len(run.context) - 1
+            b = build_batch(run.pending, n_past)
+            target.ctx.decode(target.batch)
+            active = list(range(len(b.candidates)))
+            best_seq, row = 0, 0
+            n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
+            n_accepted = 0  # tokens emitted as accepted drafts
+            for v in range(N):
+                if v > 0:
+                    if not active:
+                        break
+                    best_seq, row = W + 1 + active[0], b.candidate_rows[active[0]][v]
+                offered = [b.candidates[g][v] for g in active] if v < N - 1 else []
+                if params.greedy:
+                    token = argmax(target.logits(row))
+                else:
+                    token = choose_among_candidates(probabilities(target.logits(row), params), offered, run.rng)
+                matched = token in offered
+                if offered and not matched:
+                    yield run.rejected(offered[0])
+                ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched)
+                if ev is not None:
+                    yield ev
+                    n_accepted += matched
+                if run.reason is not None:
+                    break
+                n_matched += matched
+                active = [g for g in active if v < N - 1 and b.candidates[g][v] == token]
+                advance_window(b, v == 0)
+            # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
+            keep = min(n_past + 1 + n_matched, len(run.context))
+            target.ctx.seq_rm(-1, keep, -1)
+            if best_seq != 0:
+                target.ctx.seq_keep(best_seq)
+                target.ctx.seq_cp(best_seq, 0, -1, -1)
+                target.ctx.seq_rm(best_seq, -1, -1)
+                target.share_with(W + G + 1)
+            target.adopt(run.context[:keep])
+            accepted_hist[n_accepted] += 1
+            yield run.end_step(len(b.candidates[0]) if b.candidates else 0, n_accepted)
+
+        def step() -> Iterator[Event]:
+            if first_token:
+                ev = run.commit(first_token.pop(), TARGET)
+                if ev is not None:
+                    yield ev
+                target.share_with(W + G + 1)
+                yield run.end_step(0, 0)
+            elif len(run.context) + W + N > run.n_ctx:
+                # Too close to the end of the context for a window: plain decoding.
+                yield from chain_step(run, target, [], None)
+            else:
+                yield from lookahead_step()
+            run.extra.update(ngram_pool_size=len(pool), accepted_per_step_histogram=list(accepted_hist))
+
+        return drive(run, prefill, step, should_stop)

@@ -1,0 +1,85 @@
+"""`lookup`: prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding";
+llama.cpp's examples/lookup without its persistent n-gram caches).
+
+No draft model: the proposal is what followed the most recent earlier
+occurrence of the context's last n tokens (n from ngram_max down to ngram_min)
+in the prompt and the output so far. It pays on input-grounded tasks
+(rewriting code, summarising or quoting a given passage), where the output
+copies long runs of the input. Proposals are verified as one chain
+(backends.strategies.chain): greedy, or the lossless one-hot rule when sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from backends.events import Event
+from backends.kv import KvSequence
+from backends.run import Run
+from backends.sampling import GenParams
+from backends.strategies.base import drive, never
+from backends.strategies.chain import chain_step
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    draft_max: int = 10
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise ValueError("--draft-max must be at least 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= --lookup-ngram-min <= --lookup-ngram-max")
+
+
+class NgramIndex:
+    """Start positions of every n-gram (n in [n_min, n_max]) of a growing token list."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.sizes = range(n_min, n_max + 1)
+        self._starts: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def update(self, tokens: Sequence[int]) -> None:
+        for end in range(self._indexed + 1, len(tokens) + 1):
+            for n in self.sizes:
+                if end >= n:
+                    self._starts.setdefault(tuple(tokens[end - n : end]), []).append(end - n)
+        self._indexed = len(tokens)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        self.update(tokens)
+        length = len(tokens)
+        for n in reversed(self.sizes):
+            if length <= n:
+                continue
+            starts = self._starts.get(tuple(tokens[length - n :]), [])
+            # The last entry is the suffix itself; the one before is the latest earlier occurrence.
+            for start in reversed(starts):
+                if start + n < length:
+                    return list(tokens[start + n : start + n + k])
+        return []
+
+
+class PromptLookup:
+    name = "lookup"
+
+    def __init__(self, target: KvSequence, config: LookupConfig = LookupConfig()) -> None:
+        self.target = target
+        self.config = config
+
+    def generate(
+        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
+    ) -> Iterator[Event]:
+        run = Run(self.name, self.target.ctx.model, params, prompt, self.target.n_ctx)
+        index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+
+        def step() -> Iterator[Event]:
+            drafts = index.propose(run.context, min(self.config.draft_max, run.room() - 1))
+            yield from chain_step(run, self.target, drafts, None)
+
+        return drive(run, lambda: self.target.sync(prompt[:-1], logits=False), step, should_stop)

@@ -1,0 +1,59 @@
+"""Exact output laws computed from the target, and the chi-square check against them."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import chisquare
+
+from backends.engine import Engine
+from backends.events import Done
+from backends.sampling import GenParams, probabilities
+
+ALPHA = 1e-4
+
+
+def target_law(engine: Engine, prompt: list[int], params: GenParams) -> dict[tuple[int, ...], float]:
+    """Exact probability of each first-two-token outcome; an end-of-generation token ends the outcome."""
+    seq = engine.target
+
+    def dist(prefix: list[int]) -> np.ndarray:
+        seq.sync(prompt + prefix)
+        return probabilities(seq.logits().copy(), params)
+
+    law: dict[tuple[int, ...], float] = {}
+    p1 = dist([])
+    for t1 in np.flatnonzero(p1):
+        if engine.target_model.is_eog(int(t1)):
+            law[(int(t1),)] = p1[t1]
+            continue
+        p2 = dist([int(t1)])
+        for t2 in np.flatnonzero(p2):
+            law[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return law
+
+
+def outcome(engine: Engine, done: Done) -> tuple[int, ...]:
+    """The first two output tokens, with the end-of-generation token when generation ended before two."""
+    out = done.tokens[:2]
+    if len(out) < 2 and done.reason == "eos":
+        return out + (engine.target_model.eos,)
+    return out
+
+
+def fits_law(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of the counts under the law (rare outcomes merged so each cell expects >= 5)."""
+    runs = sum(counts.values())
+    impossible = [k for k in counts if k not in law]
+    assert not impossible, f"outcomes with probability 0 under the target: {impossible}"
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for k in sorted(law, key=law.get, reverse=True):
+        if law[k] * runs >= 5:
+            observed.append(counts.get(k, 0))
+            expected.append(law[k] * runs)
+        else:
+            rest_o += counts.get(k, 0)
+            rest_e += law[k] * runs
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    return float(chisquare(observed, np.array(expected) * runs / sum(expected)).pvalue)
