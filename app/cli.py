@@ -48,10 +48,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER, f"specchat: error: {message} (see 'specchat {self.prog.split()[-1]} --help')\n")
 
 
-def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> None:
     g = p.add_argument_group("generation")
-    g.add_argument("-s", "--strategy", default="sps", choices=list(STRATEGY_HELP),
-                   help="; ".join(f"{k}: {v}" for k, v in STRATEGY_HELP.items()) + " (default: sps)")
     g.add_argument("-n", "--n-predict", type=int, default=128, dest="max_tokens", help="tokens to generate (default: 128)")
     g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
     g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: 40)")
@@ -84,6 +82,8 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     r.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="target layers to offload to the GPU")
     r.add_argument("-ngld", "--gpu-layers-draft", type=int, default=0, help="draft layers to offload to the GPU")
+    if not output:
+        return
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
     o.add_argument("--color", dest="color", action="store_true", default=None,
@@ -101,12 +101,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
     run.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
     run.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'demo-draft'")
+    _add_strategy_flag(run)
     _add_generation_flags(run)
 
     demo = sub.add_parser("demo", help="build (once) and run the bundled Gemma 3 270M demo pair")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt (default: {DEMO_PROMPT!r})")
+    _add_strategy_flag(demo)
     _add_generation_flags(demo)
+
+    bench = sub.add_parser("bench", help="strategies side by side on this device: table, JSON and plot")
+    bench.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
+    bench.add_argument("-md", "--model-draft", default=None, help="draft model (needed for sps)")
+    bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup",
+                       help="comma-separated strategies (default: ar,sps,lookahead,lookup; sps only with -md)")
+    bench.add_argument("--prompts", default="builtin", help="builtin, humaneval, or a JSONL file (default: builtin)")
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
+    bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
+    bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")
+    bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
+    _add_generation_flags(bench, output=False)
     return parser
+
+
+def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-s", "--strategy", default="sps", choices=list(STRATEGY_HELP),
+                   help="; ".join(f"{k}: {v}" for k, v in STRATEGY_HELP.items()) + " (default: sps)")
 
 
 def _read_prompt(arg: str | None) -> str:
@@ -141,12 +161,11 @@ class _Interrupt:
         self.event.set()
 
 
-def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
-    prompt_text = _read_prompt(args.prompt)
+def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOptions]:
     try:
         params = GenParams(
             max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+            min_p=args.min_p, seed=args.seed, stop=tuple(getattr(args, "stop", ())),
         )
         k = {} if args.draft_max is None else {"draft_max": args.draft_max}
         options = StrategyOptions(
@@ -157,17 +176,26 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
         )
     except ValueError as e:
         raise UserError(str(e)) from None
+    return params, options
+
+
+def _load_engine(args: argparse.Namespace, target: Path, draft: Path | None, n_seq_max: int) -> Engine:
+    return Engine(EngineConfig(
+        target=target, draft=draft, n_ctx=args.ctx_size, n_batch=args.batch_size, threads=args.threads,
+        n_gpu_layers=args.gpu_layers, n_gpu_layers_draft=args.gpu_layers_draft, n_seq_max=n_seq_max,
+    ))
+
+
+def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
+    prompt_text = _read_prompt(args.prompt)
+    params, options = _params_and_options(args)
     if args.strategy not in NEEDS_DRAFT:
         draft_ref = None
     elif draft_ref is None:
         raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
     target = resolve_model(target_ref, _progress)
     draft = resolve_model(draft_ref, _progress) if draft_ref else None
-    engine = Engine(EngineConfig(
-        target=target, draft=draft, n_ctx=args.ctx_size, n_batch=args.batch_size, threads=args.threads,
-        n_gpu_layers=args.gpu_layers, n_gpu_layers_draft=args.gpu_layers_draft,
-        n_seq_max=n_seq_needed(args.strategy, options.lookahead),
-    ))
+    engine = _load_engine(args, target, draft, n_seq_needed(args.strategy, options.lookahead))
     try:
         try:
             strategy = engine.strategy(args.strategy, options)
@@ -212,6 +240,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.color = True
             args.stats = True
             return generate(args, "demo", "demo-draft")
+        if args.command == "bench":
+            from app.bench_command import bench
+
+            try:
+                return bench(args, _params_and_options(args), resolve_model, _load_engine)
+            except ValueError as e:  # bad prompt set, strategy list or plot dependency
+                raise UserError(str(e)) from None
         return generate(args, args.model, args.model_draft)
     except (UserError, ModelError) as e:
         if args.debug:

@@ -88,9 +88,9 @@ def test_lookahead_matches_llama_cpp_n_accept(demo_engine: Engine) -> None:
 def test_ngram_pool_is_a_ring_without_duplicates() -> None:
     pool = NgramPool(2)
     assert pool.add(7, (1, 2)) and not pool.add(7, (1, 2))
-    assert pool.add(7, (3, 4)) and pool.get(7) == [(1, 2), (3, 4)]
-    assert pool.add(7, (5, 6)) and pool.get(7) == [(5, 6), (3, 4)]  # oldest slot overwritten
-    assert pool.get(8) == [] and len(pool) == 2
+    assert pool.add(7, (3, 4)) and pool.get(7) == ((1, 2), (3, 4))
+    assert pool.add(7, (5, 6)) and pool.get(7) == ((5, 6), (3, 4))  # oldest slot overwritten
+    assert pool.get(8) == () and len(pool) == 2
     assert not NgramPool(0).add(1, (2,))
 
 

@@ -99,6 +99,7 @@ class LookaheadDecoding:
         n_vocab = target.ctx.n_vocab
         window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
         accepted_hist = [0] * N
+        batch_tokens = [0]  # tokens decoded by all forwards, for the cost model (backends.cost)
         first_token: list[int] = []
 
         def pick(row: int) -> int:
@@ -115,7 +116,7 @@ class LookaheadDecoding:
             batch = target.batch
             batch.clear()
             batch.add(token, n_past, range(W + G + 1), True)
-            candidates = pool.get(token)
+            candidates = list(pool.get(token))
             rows = [[0] * N for _ in candidates]
             # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
             for j in range(N - 1):
@@ -148,6 +149,7 @@ class LookaheadDecoding:
             n_past = len(run.context) - 1
             b = build_batch(run.pending, n_past)
             target.ctx.decode(target.batch)
+            batch_tokens[0] += len(target.batch)
             active = list(range(len(b.candidates)))
             best_seq, row = 0, 0
             n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
@@ -192,12 +194,15 @@ class LookaheadDecoding:
                 if ev is not None:
                     yield ev
                 target.share_with(W + G + 1)
+                batch_tokens[0] += 1
                 yield run.end_step(0, 0)
             elif len(run.context) + W + N > run.n_ctx:
                 # Too close to the end of the context for a window: plain decoding.
+                batch_tokens[0] += 1
                 yield from chain_step(run, target, [], None)
             else:
                 yield from lookahead_step()
-            run.extra.update(ngram_pool_size=len(pool), accepted_per_step_histogram=list(accepted_hist))
+            run.extra.update(ngram_pool_size=len(pool), accepted_per_step_histogram=list(accepted_hist),
+                             batch_tokens=batch_tokens[0])
 
         return drive(run, prefill, step, should_stop)

@@ -18,8 +18,9 @@ class NgramPool:
         self._head: dict[int, int] = {}
         self.added = 0
 
-    def get(self, first: int) -> list[tuple[int, ...]]:
-        return self._slots.get(first, [])
+    def get(self, first: int) -> tuple[tuple[int, ...], ...]:
+        """The n-grams after `first`, in slot order (a snapshot: later adds do not change it)."""
+        return tuple(self._slots.get(first, ()))
 
     def add(self, first: int, gram: Sequence[int]) -> bool:
         """Store `gram` as a continuation of `first`; False if it is already there (or G is 0)."""

@@ -1,0 +1,171 @@
+"""`specchat bench`: strategies side by side on this device.
+
+Every configuration runs on every prompt, interleaved (A B C A B C ...) so
+that drift on a busy machine hits all alike, after one warm-up pass. Caches are
+reset before each run so that each measures the same work. Speedups are ratios
+to `ar` taken within the same repeat and prompt, then the median. The device's
+batch cost curve (backends.cost) turns each configuration's measured tokens
+per forward and drafts per forward into the speedup that llama.cpp's decode
+times alone would allow, so the table shows how close each runs to its limit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from app.prompt_sets import BenchPrompt
+from backends.cost import BatchCost, best_chain_speedup, measure_batch_cost, predicted_speedup
+from backends.engine import Engine, StrategyOptions
+from backends.events import Done
+from backends.sampling import GenParams
+
+CHAIN_STRATEGIES = ("sps", "lookup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    label: str
+    strategy: str
+    options: StrategyOptions = StrategyOptions()
+
+
+@dataclass
+class ConfigResult:
+    config: BenchConfig
+    tok_s: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # vs ar, same repeat and prompt
+    ratios_by_category: dict[str, list[float]] = field(default_factory=dict)
+    generated: int = 0
+    forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    batch_tokens: float = 0.0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    greedy_match: bool = True
+
+    def add(self, done: Done) -> None:
+        s = done.stats
+        self.tok_s.append(s.tokens_per_second)
+        self.generated += s.generated_tokens
+        self.forwards += s.target_forwards
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.batch_tokens += float(s.extra.get("batch_tokens", s.drafted + s.target_forwards))
+        for total, part in ((self.accepted_at, s.accepted_per_position), (self.drafted_at, s.drafted_per_position)):
+            total.extend([0] * (len(part) - len(total)))
+            for i, n in enumerate(part):
+                total[i] += n
+
+    def summary(self, cost: BatchCost | None, draft_cost: float) -> dict[str, object]:
+        fwd = max(self.forwards, 1)
+        tokens_per_forward = self.generated / fwd
+        drafts_per_forward = self.drafted / fwd if self.config.strategy == "sps" else 0.0
+        out: dict[str, object] = {
+            "label": self.config.label,
+            "strategy": self.config.strategy,
+            "tokens_per_second": round(statistics.median(self.tok_s), 3),
+            "tokens_per_second_min": round(min(self.tok_s), 3),
+            "tokens_per_second_max": round(max(self.tok_s), 3),
+            "speedup": round(statistics.median(self.ratios), 4),
+            "speedup_by_category": {k: round(statistics.median(v), 4) for k, v in self.ratios_by_category.items()},
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "tokens_per_forward": round(tokens_per_forward, 4),
+            "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            "greedy_matches_ar": self.greedy_match,
+        }
+        if cost is not None:
+            out["predicted_speedup"] = round(
+                predicted_speedup(tokens_per_forward, drafts_per_forward, self.batch_tokens / fwd,
+                                  draft_cost if self.config.strategy == "sps" else 0.0, cost), 4)
+            if self.config.strategy in CHAIN_STRATEGIES and self.drafted:
+                c = draft_cost if self.config.strategy == "sps" else 0.0
+                bound, k = best_chain_speedup(self.accepted / self.drafted, c, cost)
+                out["best_chain_bound"] = {"speedup": round(bound, 4), "K": k}
+        return out
+
+
+def _run(engine: Engine, config: BenchConfig, tokens: list[int], params: GenParams) -> Done:
+    engine.target.reset()
+    if engine.draft is not None:
+        engine.draft.reset()
+    done = None
+    for ev in engine.strategy(config.strategy, config.options).generate(tokens, params):
+        done = ev
+    assert isinstance(done, Done)
+    if done.reason == "error":
+        raise RuntimeError(f"{config.label}: {done.error}")
+    return done
+
+
+def run_bench(
+    engine: Engine,
+    configs: list[BenchConfig],
+    prompts: list[BenchPrompt],
+    params: GenParams,
+    repeats: int,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> list[ConfigResult]:
+    """Run every configuration on every prompt `repeats` times; the first config must be plain `ar`."""
+    assert configs and configs[0].strategy == "ar", "the baseline comes first"
+    tokenized = [engine.tokenize(p.text) for p in prompts]
+    results = [ConfigResult(c) for c in configs]
+    warm = GenParams(max_tokens=min(16, params.max_tokens), temperature=params.temperature, seed=params.seed)
+    for c in configs:
+        _run(engine, c, tokenized[0], warm)
+    total = repeats * len(prompts) * len(configs)
+    done_runs = 0
+    for rep in range(repeats):
+        for prompt, tokens in zip(prompts, tokenized):
+            base_tokens: tuple[int, ...] = ()
+            base_speed = 0.0
+            for res in results:
+                done = _run(engine, res.config, tokens, params)
+                res.add(done)
+                if res is results[0]:
+                    base_tokens, base_speed = done.tokens, done.stats.tokens_per_second
+                elif params.greedy and done.tokens != base_tokens:
+                    res.greedy_match = False
+                ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
+                res.ratios.append(ratio)
+                res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
+                done_runs += 1
+                progress(f"[{done_runs}/{total}] repeat {rep + 1}, {prompt.category}, {res.config.label}: "
+                         f"{done.stats.tokens_per_second:.1f} tok/s")
+    return results
+
+
+def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[BatchCost, float]:
+    """The target's batch cost curve, and one draft token's cost relative to one target token."""
+    cost = measure_batch_cost(engine.target, context, k_max)
+    draft_cost = 0.0
+    if engine.draft is not None:
+        draft_curve = measure_batch_cost(engine.draft, context, 1, repeats=5)
+        draft_cost = draft_curve.seconds[0] / cost.seconds[0]
+    engine.target.reset()
+    if engine.draft is not None:
+        engine.draft.reset()
+    return cost, draft_cost
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    head = f"{'configuration':28} {'tok/s':>8} {'min-max':>13} {'vs ar':>6} {'accept':>6} {'tok/fwd':>7} " \
+           f"{'limit':>6} {'greedy=ar':>9}  accepted by position"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = f"{r['tokens_per_second_min']:.1f}-{r['tokens_per_second_max']:.1f}"
+        limit = f"{r['predicted_speedup']:.2f}" if "predicted_speedup" in r else "-"
+        per_pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"][:8])  # type: ignore[index]
+        lines.append(
+            f"{r['label']:28} {r['tokens_per_second']:8.2f} {spread:>13} {r['speedup']:6.2f} "
+            f"{r['acceptance_rate']:6.2f} {r['tokens_per_forward']:7.2f} {limit:>6} "
+            f"{'yes' if r['greedy_matches_ar'] else 'NO':>9}  {per_pos}"
+        )
+    return "\n".join(lines)
+
+
+def print_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
