@@ -38,32 +38,34 @@ class ConfigResult:
     tok_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # vs ar, same repeat and prompt
     ratios_by_category: dict[str, list[float]] = field(default_factory=dict)
+    limits: list[float] = field(default_factory=list)  # per run: speedup the decode times alone allow
     generated: int = 0
     forwards: int = 0
     drafted: int = 0
     accepted: int = 0
-    batch_tokens: float = 0.0
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     greedy_match: bool = True
 
-    def add(self, done: Done) -> None:
+    def add(self, done: Done, cost: BatchCost | None, draft_cost: float) -> None:
         s = done.stats
         self.tok_s.append(s.tokens_per_second)
+        if cost is not None and s.target_forwards:
+            fwd = s.target_forwards
+            drafts = s.drafted / fwd if self.config.strategy == "sps" else 0.0
+            batch = float(s.extra.get("batch_tokens", s.drafted + fwd)) / fwd
+            self.limits.append(predicted_speedup(s.generated_tokens / fwd, drafts, batch, draft_cost, cost))
         self.generated += s.generated_tokens
         self.forwards += s.target_forwards
         self.drafted += s.drafted
         self.accepted += s.accepted
-        self.batch_tokens += float(s.extra.get("batch_tokens", s.drafted + s.target_forwards))
         for total, part in ((self.accepted_at, s.accepted_per_position), (self.drafted_at, s.drafted_per_position)):
             total.extend([0] * (len(part) - len(total)))
             for i, n in enumerate(part):
                 total[i] += n
 
     def summary(self, cost: BatchCost | None, draft_cost: float) -> dict[str, object]:
-        fwd = max(self.forwards, 1)
-        tokens_per_forward = self.generated / fwd
-        drafts_per_forward = self.drafted / fwd if self.config.strategy == "sps" else 0.0
+        tokens_per_forward = self.generated / max(self.forwards, 1)
         out: dict[str, object] = {
             "label": self.config.label,
             "strategy": self.config.strategy,
@@ -77,14 +79,13 @@ class ConfigResult:
             "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "greedy_matches_ar": self.greedy_match,
         }
-        if cost is not None:
-            out["predicted_speedup"] = round(
-                predicted_speedup(tokens_per_forward, drafts_per_forward, self.batch_tokens / fwd,
-                                  draft_cost if self.config.strategy == "sps" else 0.0, cost), 4)
-            if self.config.strategy in CHAIN_STRATEGIES and self.drafted:
-                c = draft_cost if self.config.strategy == "sps" else 0.0
-                bound, k = best_chain_speedup(self.accepted / self.drafted, c, cost)
-                out["best_chain_bound"] = {"speedup": round(bound, 4), "K": k}
+        if self.limits:
+            out["predicted_speedup"] = round(statistics.median(self.limits), 4)
+        if cost is not None and self.config.strategy in CHAIN_STRATEGIES and self.drafted:
+            # The best any fixed K could do at this acceptance (Leviathan et al. section 3.4).
+            c = draft_cost if self.config.strategy == "sps" else 0.0
+            bound, k = best_chain_speedup(self.accepted / self.drafted, c, cost)
+            out["best_chain_bound"] = {"speedup": round(bound, 4), "K": k}
         return out
 
 
@@ -107,6 +108,8 @@ def run_bench(
     prompts: list[BenchPrompt],
     params: GenParams,
     repeats: int,
+    cost: BatchCost | None = None,
+    draft_cost: float = 0.0,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[ConfigResult]:
     """Run every configuration on every prompt `repeats` times; the first config must be plain `ar`."""
@@ -124,7 +127,7 @@ def run_bench(
             base_speed = 0.0
             for res in results:
                 done = _run(engine, res.config, tokens, params)
-                res.add(done)
+                res.add(done, cost, draft_cost)
                 if res is results[0]:
                     base_tokens, base_speed = done.tokens, done.stats.tokens_per_second
                 elif params.greedy and done.tokens != base_tokens:

@@ -84,7 +84,7 @@ def bench(
         if args.cost_k_max > 0:
             print_progress(f"measuring the batch cost curve (k = 1..{args.cost_k_max})")
             cost, draft_cost = measure_costs(engine, engine.tokenize(prompts[0].text), args.cost_k_max)
-        results = run_bench(engine, configs, prompts, params, args.repeats, print_progress)
+        results = run_bench(engine, configs, prompts, params, args.repeats, cost, draft_cost, print_progress)
     finally:
         engine.close()
     rows = [r.summary(cost, draft_cost) for r in results]
@@ -116,7 +116,7 @@ def bench(
     if cost:
         curve = " ".join(f"{v:.2f}" for v in report["batch_cost"][:16])
         print(f"\nbatch cost T(k)/T(1), k=1..: {curve}" + (f"; one draft token = {draft_cost:.2f} target tokens" if draft else ""))
-        print("limit: the speedup llama.cpp's decode times alone allow at the measured tokens per forward")
+        print("limit: the speedup llama.cpp's decode times alone allow at each run's tokens per forward (median)")
     if args.sweep:
         for s, b in best.items():
             print(f"best {s} on this device: {b['label']} ({b['speedup']:.2f}x)")

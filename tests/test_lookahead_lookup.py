@@ -10,6 +10,7 @@ from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig, NgramIndex
 from backends.strategies.ngram_pool import NgramPool
+from app.prompt_sets import BUILTIN
 from engine_helpers import run_to_done
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch
 
@@ -29,6 +30,13 @@ def _equal_to_ar(engine: Engine, text: str, n: int, options: StrategyOptions, st
 @pytest.mark.parametrize("text", TINY_PROMPTS)
 def test_lookahead_equals_ar_tiny(tiny_engine: Engine, text: str, wng: tuple[int, int, int]) -> None:
     _equal_to_ar(tiny_engine, text, 64, StrategyOptions(lookahead=LookaheadConfig(*wng)), "lookahead")
+
+
+@pytest.mark.parametrize("wng", [(2, 3, 2), (1, 3, 1)], ids=lambda t: "W{}N{}G{}".format(*t))
+@pytest.mark.parametrize("prompt", BUILTIN, ids=lambda p: p.category)
+def test_lookahead_equals_ar_on_builtin_prompts(tiny_engine: Engine, prompt, wng) -> None:
+    """Regression: the pool changes while a step verifies its n-grams; the step must use its own copy."""
+    _equal_to_ar(tiny_engine, prompt.text, 64, StrategyOptions(lookahead=LookaheadConfig(*wng)), "lookahead")
 
 
 def test_lookahead_accepts_on_repetitive_text(tiny_engine: Engine) -> None:

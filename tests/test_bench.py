@@ -1,0 +1,101 @@
+"""`specchat bench` on the tiny pair: the table, the JSON report, the plot, and greedy agreement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench import format_table
+from app.bench_command import build_configs
+from app.prompt_sets import BUILTIN, load_prompt_set
+from backends.cost import BatchCost, best_chain_speedup, expected_tokens
+from backends.engine import StrategyOptions
+
+RESULT_KEYS = {
+    "label", "strategy", "tokens_per_second", "tokens_per_second_min", "tokens_per_second_max", "speedup",
+    "speedup_by_category", "acceptance_rate", "tokens_per_forward", "accepted_per_position",
+    "greedy_matches_ar", "predicted_speedup",
+}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("bench")
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-md", str(tiny.draft), "--repeats", "1",
+         "-n", "24", "-t", "1", "--cost-k-max", "6", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    return r, out
+
+
+def test_bench_table_and_files(bench_run) -> None:
+    r, out = bench_run
+    assert r.returncode == 0, r.stderr
+    header = r.stdout.splitlines()[0].split()
+    for column in ("configuration", "tok/s", "min-max", "vs", "ar", "accept", "tok/fwd", "limit", "greedy=ar"):
+        assert column in header
+    labels = [line.split()[0] for line in r.stdout.splitlines()[2:6]]
+    assert labels == ["ar", "sps", "lookahead", "lookup"]
+    png = out / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_json_schema(bench_run) -> None:
+    r, out = bench_run
+    report = json.loads((out / "bench.json").read_text())
+    assert {"target", "draft", "device", "max_tokens", "repeats", "prompts", "batch_cost", "draft_cost",
+            "results", "best"} <= set(report)
+    assert len(report["batch_cost"]) == 6 and report["batch_cost"][0] == 1.0
+    assert report["draft_cost"] > 0
+    assert len(report["prompts"]) == len(BUILTIN)
+    for row in report["results"]:
+        assert RESULT_KEYS <= set(row), RESULT_KEYS - set(row)
+        assert set(row["speedup_by_category"]) == {p.category for p in BUILTIN}
+    for row in report["results"][1:]:
+        assert row["greedy_matches_ar"], f"{row['label']} differs from ar at temperature 0"
+    assert report["results"][0]["speedup"] == 1.0
+
+
+def test_bench_rejects_bad_input(tiny, tmp_path: Path) -> None:
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("not json\n")
+    r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "--prompts", str(bad),
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "expected a JSON object" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_custom_prompt_file(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello", "category": "greeting"}\n\n{"prompt": "bye"}\n')
+    prompts = load_prompt_set(str(f))
+    assert [(p.category, p.text) for p in prompts] == [("greeting", "hello"), ("custom", "bye")]
+
+
+def test_sweep_builds_distinct_settings() -> None:
+    configs = build_configs(["sps", "lookahead", "lookup"], StrategyOptions(), sweep=True)
+    labels = [c.label for c in configs]
+    assert labels[0] == "ar" and len(labels) == len(set(labels))
+    assert any("W=15 N=5 G=15" in label for label in labels) and any("K=8" in label for label in labels)
+
+
+def test_cost_model_matches_leviathan_formula() -> None:
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    flat = BatchCost(tuple([1.0] * 9))  # verifying k tokens costs the same as one
+    speedup, k = best_chain_speedup(0.8, 0.0, flat, k_max=8)
+    assert k == 8 and speedup == pytest.approx(expected_tokens(0.8, 8))
+    linear = BatchCost(tuple(float(i) for i in range(1, 10)))  # no batching gain: speculation cannot win
+    assert best_chain_speedup(0.9, 0.1, linear)[0] < 1.0
+
+
+def test_table_formats_rows() -> None:
+    row = {"label": "sps", "tokens_per_second": 10.0, "tokens_per_second_min": 9.0, "tokens_per_second_max": 11.0,
+           "speedup": 1.5, "acceptance_rate": 0.7, "tokens_per_forward": 2.5, "predicted_speedup": 1.6,
+           "greedy_matches_ar": False, "accepted_per_position": [0.9, 0.5]}
+    line = format_table([row]).splitlines()[2]
+    assert "1.50" in line and "NO" in line and "0.90 0.50" in line
