@@ -31,6 +31,8 @@ EXIT_USER = 1
 EXIT_RUNTIME = 2
 EXIT_INTERRUPTED = 130
 DEMO_PROMPT = "Once upon a time, in a small village,"
+LEGEND = "speculation view: accepted draft = green, rejected draft = red struck through, " \
+         "target's correction = blue, target's own token = default"
 STRATEGY_HELP = {
     "ar": "plain decoding",
     "sps": "draft-model speculative sampling",
@@ -205,6 +207,10 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
         color = sys.stdout.isatty() if args.color is None else args.color
         view = TextView(sys.stdout, color)
         show: Callable[[object], None] = (lambda ev: print(event_json(ev), flush=True)) if args.json else view.show
+        if args.command == "demo" and not args.json:
+            if color:
+                print(LEGEND, file=sys.stderr, flush=True)
+            view.show_prompt(prompt_text)
         with _Interrupt() as interrupt:
             try:
                 events = strategy.generate(tokens, params, interrupt.event.is_set)

@@ -32,6 +32,14 @@ class TextView:
         self.out = out
         self.console = Console(file=out, force_terminal=color, no_color=not color, highlight=False, soft_wrap=True)
 
+    def show_prompt(self, prompt: str) -> None:
+        """The prompt, dimmed, before the completion (the demo shows what it continues)."""
+        if self.color:
+            self.console.print(Text(prompt, style="dim"), end="")
+        else:
+            self.out.write(prompt)
+        self.out.flush()
+
     def show(self, event: Event) -> None:
         if isinstance(event, Token):
             if event.kind == REJECTED and not self.color:
