@@ -46,17 +46,27 @@ class KvSequence:
         return self.ctx.n_ctx
 
     def truncate(self, n: int) -> None:
-        """Drop every cell at position >= n, in all sequences."""
+        """Forget the tokens from position n on (their cells in every sequence go too)."""
         if n >= len(self.tokens):
             return
-        if not self.ctx.seq_rm(-1, n, -1):
+        self.drop_cells_from(n)
+        del self.tokens[n:]
+
+    def drop_cells_from(self, pos: int) -> None:
+        """Remove every cell at position >= pos, in all sequences; refuse loudly if llama.cpp cannot.
+
+        Some caches report success yet drop more: a sliding-window cache past its
+        window (without swa_full) clears the whole sequence. So the cells below
+        pos that sequence 0 should still hold are checked too.
+        """
+        expected_last = min(pos, len(self.tokens)) - 1
+        if not self.ctx.seq_rm(-1, pos, -1) or self.ctx.pos_max(0) < expected_last:
             self.tokens.clear()
             self.ctx.clear()
             raise CacheRollbackError(
                 "llama.cpp cannot remove part of this model's KV cache (recurrent or sliding-window "
                 "memory), so speculative decoding cannot run on it; use -s ar"
             )
-        del self.tokens[n:]
 
     def extend(self, tokens: Sequence[int], logits: str = "last") -> None:
         """Decode `tokens` after what is cached. logits: 'last', 'all' (one batch) or 'none'.

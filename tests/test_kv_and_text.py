@@ -104,3 +104,27 @@ def test_real_model_text_matches_llama_detokenizer(tiny_engine: Engine) -> None:
     prompt = tiny_engine.tokenize("hello world, the cat is red!")
     done = run_to_done(tiny_engine, "ar", prompt, GenParams(max_tokens=50, temperature=1.0, seed=11))
     assert tiny_engine.target_model.detokenize(done.tokens) == done.text
+
+
+@pytest.mark.demo
+def test_rollback_refused_on_a_sliding_window_cache_past_its_window(demo_pair) -> None:
+    """Gemma 3 uses a sliding window: without swa_full, cutting back past the window must be refused."""
+    from backends.kv import CacheRollbackError
+    from backends.llama import LlamaModel
+
+    model = LlamaModel(demo_pair.draft)
+    tokens = model.tokenize("hello world, this is a long text. " * 300, True, True)[:2500]
+    for swa_full in (False, True):
+        ctx = LlamaContext(model, ContextConfig(n_ctx=4096, n_ubatch=64, swa_full=swa_full, n_threads=2))
+        seq = KvSequence(ctx)
+        seq.sync(tokens, logits=False)
+        try:
+            if swa_full:
+                seq.truncate(100)
+                assert ctx.pos_max(0) == 99 and len(seq.tokens) == 100
+            else:
+                with pytest.raises(CacheRollbackError, match="cannot remove part"):
+                    seq.truncate(100)
+                assert seq.tokens == []  # nothing half-kept: the next sync starts clean
+        finally:
+            ctx.close()

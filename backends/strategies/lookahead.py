@@ -178,7 +178,7 @@ class LookaheadDecoding:
                 advance_window(b, v == 0)
             # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
             keep = min(n_past + 1 + n_matched, len(run.context))
-            target.ctx.seq_rm(-1, keep, -1)
+            target.drop_cells_from(keep)
             if best_seq != 0:
                 target.ctx.seq_keep(best_seq)
                 target.ctx.seq_cp(best_seq, 0, -1, -1)
