@@ -45,14 +45,15 @@ class ConfigResult:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
-    greedy_match: bool = True
+    greedy_match: bool | None = None  # None: not checked (sampling)
 
     def add(self, done: Done, cost: BatchCost | None, draft_cost: float) -> None:
         s = done.stats
         self.tok_s.append(s.tokens_per_second)
         if cost is not None and s.target_forwards:
             fwd = s.target_forwards
-            drafts = s.drafted / fwd if self.config.strategy == "sps" else 0.0
+            # Draft decode calls per forward: one per drafted token for a chain, one per depth for a tree.
+            drafts = float(s.extra.get("draft_forwards", s.drafted if self.config.strategy == "sps" else 0)) / fwd
             batch = float(s.extra.get("batch_tokens", s.drafted + fwd)) / fwd
             self.limits.append(predicted_speedup(s.generated_tokens / fwd, drafts, batch, draft_cost, cost))
         self.generated += s.generated_tokens
@@ -130,8 +131,8 @@ def run_bench(
                 res.add(done, cost, draft_cost)
                 if res is results[0]:
                     base_tokens, base_speed = done.tokens, done.stats.tokens_per_second
-                elif params.greedy and done.tokens != base_tokens:
-                    res.greedy_match = False
+                elif params.greedy:
+                    res.greedy_match = res.greedy_match is not False and done.tokens == base_tokens
                 ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
                 res.ratios.append(ratio)
                 res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
@@ -165,7 +166,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
         lines.append(
             f"{r['label']:28} {r['tokens_per_second']:8.2f} {spread:>13} {r['speedup']:6.2f} "
             f"{r['acceptance_rate']:6.2f} {r['tokens_per_forward']:7.2f} {limit:>6} "
-            f"{'yes' if r['greedy_matches_ar'] else 'NO':>9}  {per_pos}"
+            f"{ {True: 'yes', False: 'NO', None: '-'}[r['greedy_matches_ar']]:>9}  {per_pos}"
         )
     return "\n".join(lines)
 

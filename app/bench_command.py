@@ -13,16 +13,14 @@ from typing import Callable
 from app.bench import BenchConfig, format_table, measure_costs, print_progress, run_bench
 from app.bench_plot import write_plot
 from app.prompt_sets import load_prompt_set
-from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, StrategyOptions
+from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, StrategyOptions, n_seq_needed
 from backends.llama import default_threads
 from backends.sampling import GenParams
-from backends.strategies.lookahead import LookaheadConfig
-from backends.strategies.lookup import LookupConfig
-from backends.strategies.sps import SpsConfig
 
 SWEEP_SPS = [(k, p) for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]
 SWEEP_LOOKAHEAD = [(2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15)]
 SWEEP_LOOKUP = [(4, 3), (10, 3), (16, 3), (10, 2)]
+SWEEP_TREE = [(3, 2, 6), (5, 2, 10), (4, 3, 12), (6, 2, 12)]
 
 
 def _label(name: str, options: StrategyOptions) -> str:
@@ -33,6 +31,9 @@ def _label(name: str, options: StrategyOptions) -> str:
         return f"lookahead W={la.window} N={la.ngram} G={la.guesses}" + (" seeded" if la.seed_pool_from_prompt else "")
     if name == "lookup":
         return f"lookup K={options.lookup.draft_max} n<={options.lookup.ngram_max}"
+    if name == "tree":
+        t = options.tree
+        return f"tree D={t.depth} k={t.top_k} M={t.nodes}"
     return name
 
 
@@ -47,6 +48,8 @@ def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> li
         elif sweep and name == "lookahead":
             grid += [replace(options, lookahead=replace(options.lookahead, window=w, ngram=n, guesses=g))
                      for w, n, g in SWEEP_LOOKAHEAD]
+        elif sweep and name == "tree":
+            grid += [replace(options, tree=replace(options.tree, depth=d, top_k=k, nodes=m)) for d, k, m in SWEEP_TREE]
         elif sweep and name == "lookup":
             grid += [replace(options, lookup=replace(options.lookup, draft_max=k, ngram_max=n)) for k, n in SWEEP_LOOKUP]
         seen = set()
@@ -77,7 +80,7 @@ def bench(
     configs = build_configs(names, options, args.sweep)
     target = resolve(args.model, print_progress)
     draft = resolve(args.model_draft, print_progress) if args.model_draft else None
-    n_seq = max([c.options.lookahead.n_seq_max for c in configs if c.strategy == "lookahead"] + [1])
+    n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
     engine = load_engine(args, target, draft, n_seq)
     try:
         cost, draft_cost = (None, 0.0)

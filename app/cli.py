@@ -24,6 +24,7 @@ from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
+from backends.strategies.tree import TreeConfig
 from models.errors import ModelError
 from models.resolve import resolve_model
 
@@ -38,6 +39,7 @@ STRATEGY_HELP = {
     "sps": "draft-model speculative sampling",
     "lookahead": "lookahead decoding (Jacobi window + n-gram pool)",
     "lookup": "prompt lookup decoding",
+    "tree": "token-tree speculation (EAGLE-2 dynamic tree, SpecInfer verification)",
 }
 
 
@@ -78,6 +80,12 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
                    help=f"lookup: longest suffix to match in the context (default: {LookupConfig.ngram_max})")
     s.add_argument("--lookup-ngram-min", type=int, default=LookupConfig.ngram_min,
                    help=f"lookup: shortest suffix to match (default: {LookupConfig.ngram_min})")
+    s.add_argument("--tree-depth", type=int, default=TreeConfig.depth,
+                   help=f"tree: longest drafted path (default: {TreeConfig.depth})")
+    s.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k,
+                   help=f"tree: children per expanded node and nodes expanded per depth (default: {TreeConfig.top_k})")
+    s.add_argument("--tree-nodes", type=int, default=TreeConfig.nodes,
+                   help=f"tree: nodes verified per step, M (default: {TreeConfig.nodes})")
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
@@ -115,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
     bench.add_argument("-md", "--model-draft", default=None, help="draft model (needed for sps)")
     bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup",
-                       help="comma-separated strategies (default: ar,sps,lookahead,lookup; sps only with -md)")
+                       help="comma-separated strategies, of ar,sps,tree,lookahead,lookup "
+                            "(default: ar,sps,lookahead,lookup; sps and tree only with -md)")
     bench.add_argument("--prompts", default="builtin", help="builtin, humaneval, or a JSONL file (default: builtin)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
@@ -175,6 +184,7 @@ def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOp
             lookahead=LookaheadConfig(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses,
                                       args.lookahead_seed_prompt),
             lookup=LookupConfig(ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, **k),
+            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_nodes),
         )
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -197,7 +207,7 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
         raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
     target = resolve_model(target_ref, _progress)
     draft = resolve_model(draft_ref, _progress) if draft_ref else None
-    engine = _load_engine(args, target, draft, n_seq_needed(args.strategy, options.lookahead))
+    engine = _load_engine(args, target, draft, n_seq_needed(args.strategy, options))
     try:
         try:
             strategy = engine.strategy(args.strategy, options)

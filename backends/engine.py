@@ -18,16 +18,22 @@ from backends.strategies.base import Strategy
 from backends.strategies.lookahead import LookaheadConfig, LookaheadDecoding
 from backends.strategies.lookup import LookupConfig, PromptLookup
 from backends.strategies.sps import SpeculativeSampling, SpsConfig
+from backends.strategies.tree import TreeConfig, TreeSpeculation
 from models.compat import require_compatible
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
 
-STRATEGIES = ("ar", "sps", "lookahead", "lookup")
-NEEDS_DRAFT = frozenset({"sps"})
+STRATEGIES = ("ar", "sps", "lookahead", "lookup", "tree")
+NEEDS_DRAFT = frozenset({"sps", "tree"})
 
 
-def n_seq_needed(strategy: str, lookahead: LookaheadConfig) -> int:
-    return lookahead.n_seq_max if strategy == "lookahead" else 1
+def n_seq_needed(strategy: str, options: "StrategyOptions") -> int:
+    """Sequence ids the contexts need: lookahead W+G+1, a tree one per path (and per drafted node)."""
+    if strategy == "lookahead":
+        return options.lookahead.n_seq_max
+    if strategy == "tree":
+        return max(options.tree.target_seqs, options.tree.draft_seqs)
+    return 1
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class EngineConfig:
     threads: int | None = None
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    # Sequence ids the target's context allows: lookahead needs W + G + 1.
+    # Sequence ids the contexts allow (see n_seq_needed).
     n_seq_max: int = 1
 
 
@@ -50,6 +56,7 @@ class StrategyOptions:
     sps: SpsConfig = SpsConfig()
     lookahead: LookaheadConfig = LookaheadConfig()
     lookup: LookupConfig = LookupConfig()
+    tree: TreeConfig = TreeConfig()
 
 
 class Engine:
@@ -60,8 +67,8 @@ class Engine:
             require_compatible(target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
         self.target_model = LlamaModel(config.target, config.n_gpu_layers)
-        target_config = replace(ctx_config, n_seq_max=config.n_seq_max)
-        self.target = KvSequence(LlamaContext(self.target_model, target_config))
+        ctx_config = replace(ctx_config, n_seq_max=config.n_seq_max)
+        self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
         self.draft_model: LlamaModel | None = None
         self.draft: KvSequence | None = None
         if config.draft is not None:
@@ -82,6 +89,10 @@ class Engine:
             return LookaheadDecoding(self.target, options.lookahead)
         if name == "lookup":
             return PromptLookup(self.target, options.lookup)
+        if name == "tree":
+            if self.draft is None:
+                raise ModelError("strategy 'tree' needs a draft model (-md DRAFT)")
+            return TreeSpeculation(self.target, self.draft, options.tree)
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
     def close(self) -> None:

@@ -77,10 +77,11 @@ def test_custom_prompt_file(tmp_path: Path) -> None:
 
 
 def test_sweep_builds_distinct_settings() -> None:
-    configs = build_configs(["sps", "lookahead", "lookup"], StrategyOptions(), sweep=True)
+    configs = build_configs(["sps", "lookahead", "lookup", "tree"], StrategyOptions(), sweep=True)
     labels = [c.label for c in configs]
     assert labels[0] == "ar" and len(labels) == len(set(labels))
     assert any("W=15 N=5 G=15" in label for label in labels) and any("K=8" in label for label in labels)
+    assert sum(c.strategy == "tree" for c in configs) == 5
 
 
 def test_cost_model_matches_leviathan_formula() -> None:
