@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from backends.events import ACCEPTED, TARGET, Event
+from backends.events import TARGET, Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample
 from backends.strategies.base import drive, never
+from backends.strategies.branches import keep_branch, pick_among
 from backends.strategies.chain import chain_step
 from backends.strategies.ngram_pool import NgramPool
-from backends.verify import choose_among_candidates
 
 # lookahead.cpp fills the initial window with 100, 101, ... (any tokens work).
 _WINDOW_INIT_TOKEN = 100
@@ -160,31 +160,15 @@ class LookaheadDecoding:
                         break
                     best_seq, row = W + 1 + active[0], b.candidate_rows[active[0]][v]
                 offered = [b.candidates[g][v] for g in active] if v < N - 1 else []
-                if params.greedy:
-                    token = argmax(target.logits(row))
-                else:
-                    token = choose_among_candidates(probabilities(target.logits(row), params), offered, run.rng)
-                matched = token in offered
-                if offered and not matched:
-                    yield run.rejected(offered[0])
-                ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched)
-                if ev is not None:
-                    yield ev
-                    n_accepted += matched
+                token, matched, counted = yield from pick_among(run, target.logits(row), offered)
+                n_accepted += counted
                 if run.reason is not None:
                     break
                 n_matched += matched
                 active = [g for g in active if v < N - 1 and b.candidates[g][v] == token]
                 advance_window(b, v == 0)
             # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
-            keep = min(n_past + 1 + n_matched, len(run.context))
-            target.drop_cells_from(keep)
-            if best_seq != 0:
-                target.ctx.seq_keep(best_seq)
-                target.ctx.seq_cp(best_seq, 0, -1, -1)
-                target.ctx.seq_rm(best_seq, -1, -1)
-                target.share_with(W + G + 1)
-            target.adopt(run.context[:keep])
+            keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq, W + G + 1)
             accepted_hist[n_accepted] += 1
             yield run.end_step(len(b.candidates[0]) if b.candidates else 0, n_accepted)
 

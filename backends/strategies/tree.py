@@ -24,13 +24,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from backends.events import ACCEPTED, TARGET, Event
+from backends.events import Event
 from backends.kv import KvSequence
 from backends.run import Run
-from backends.sampling import GenParams, argmax, probabilities
+from backends.sampling import GenParams
 from backends.strategies.base import drive, never
+from backends.strategies.branches import keep_branch, pick_among
 from backends.strategies.chain import chain_step
-from backends.verify import choose_among_candidates
 
 
 @dataclass(frozen=True)
@@ -174,33 +174,16 @@ class TreeSpeculation:
             while True:
                 kids = children[cur + 1]
                 offered = [nodes[k].token for k in kids]
-                if params.greedy:
-                    token = argmax(target.logits(row))
-                else:
-                    token = choose_among_candidates(probabilities(target.logits(row), params), offered, run.rng)
-                match = next((k for k in kids if nodes[k].token == token), None)
-                if offered and match is None:
-                    yield run.rejected(offered[0])
-                ev = run.commit(token, ACCEPTED if match is not None else TARGET,
-                                correction=bool(offered) and match is None)
-                if ev is not None:
-                    yield ev
-                    n_accepted += match is not None
-                if run.reason is not None or match is None:
+                token, matched, counted = yield from pick_among(run, target.logits(row), offered)
+                n_accepted += counted
+                if run.reason is not None or not matched:
                     break
                 n_matched += 1
-                cur, row = match, rows[match]
-            keep = min(n_past + 1 + n_matched, len(run.context))
-            target.drop_cells_from(keep)
-            if n_matched:
-                best = min(paths[cur])
-                target.ctx.seq_keep(best)
-                target.ctx.seq_cp(best, 0, -1, -1)
-                target.ctx.seq_rm(best, -1, -1)
-            else:
-                for seq in range(1, len(leaves) + 1):
-                    target.ctx.seq_rm(seq, -1, -1)
-            target.adopt(run.context[:keep])
+                cur = next(k for k in kids if nodes[k].token == token)
+                row = rows[cur]
+            # Sequences 1.. are shared anew at the next step's start.
+            best_seq = min(paths[cur]) if n_matched else 0
+            keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
             yield run.end_step(len(nodes), n_accepted)
 
         def step() -> Iterator[Event]:

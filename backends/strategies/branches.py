@@ -1,0 +1,53 @@
+"""Verifying several candidates at one position, and keeping the winning branch.
+
+Shared by the strategies that verify many branches in one batch, each under
+its own sequence id (`lookahead`'s n-grams, `tree`'s paths). At each position
+the target picks its token among the branches' candidates (greedy: argmax;
+sampling: SpecInfer's one-hot multi-candidate rule, backends.verify), and after
+the walk the accepted branch's cells become sequence 0 and all others go.
+"""
+
+from __future__ import annotations
+
+from typing import Generator, Sequence
+
+import numpy as np
+
+from backends.events import ACCEPTED, TARGET, Event
+from backends.kv import KvSequence
+from backends.run import Run
+from backends.sampling import argmax, probabilities
+from backends.verify import choose_among_candidates
+
+
+def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int]) -> Generator[Event, None, tuple[int, bool, bool]]:
+    """Commit the target's token at a position offered `offered`; yields its events.
+
+    Returns (token, matched: it was one of the candidates, counted: it was
+    emitted as an accepted draft).
+    """
+    if run.params.greedy:
+        token = argmax(logits)
+    else:
+        token = choose_among_candidates(probabilities(logits, run.params), offered, run.rng)
+    matched = token in offered
+    if offered and not matched:
+        yield run.rejected(offered[0])
+    ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched)
+    if ev is not None:
+        yield ev
+    return token, matched, ev is not None and matched
+
+
+def keep_branch(target: KvSequence, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
+    """Keep the first `keep` positions; the cells of `best_seq` (0: none won) become sequence 0.
+
+    With `reshare` > 1, sequences 1..reshare-1 get sequence 0's cells again.
+    """
+    target.drop_cells_from(keep)
+    if best_seq != 0:
+        target.ctx.seq_keep(best_seq)
+        target.ctx.seq_cp(best_seq, 0, -1, -1)
+        target.ctx.seq_rm(best_seq, -1, -1)
+        target.share_with(reshare)
+    target.adopt(context[:keep])
