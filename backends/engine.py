@@ -62,9 +62,9 @@ class StrategyOptions:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        target_info = validate_gguf(config.target)
+        self.target_info = validate_gguf(config.target)
         if config.draft is not None:
-            require_compatible(target_info, validate_gguf(config.draft))
+            require_compatible(self.target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
         self.target_model = LlamaModel(config.target, config.n_gpu_layers)
         ctx_config = replace(ctx_config, n_seq_max=config.n_seq_max)

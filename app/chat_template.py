@@ -1,0 +1,68 @@
+"""Chat formatting with a GGUF's `tokenizer.chat_template`, rendered in jinja2's sandbox.
+
+Templates come from model files downloaded from the internet, so they run in
+`ImmutableSandboxedEnvironment` (no attribute tricks, no mutation of the
+arguments). The environment mirrors Hugging Face transformers'
+`apply_chat_template` (trim_blocks, lstrip_blocks, loop controls,
+`raise_exception`, `strftime_now`, a non-ASCII-escaping `tojson`), because the
+templates shipped in GGUFs are written for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Literal, NoReturn, Sequence
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: Role
+    content: str
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot render this conversation."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(f"the model's chat template refused the conversation: {message}")
+
+
+def _tojson(value: object, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template does not parse: {e}") from None
+
+
+def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, eos_token: str) -> str:
+    """The conversation as the model expects it, ending with the assistant's turn opened."""
+    try:
+        return _compile(template).render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except ChatTemplateError:
+        raise
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template failed: {e}") from None

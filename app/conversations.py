@@ -1,0 +1,74 @@
+"""Saved conversations: one JSON file per chat in the data dir, written atomically.
+
+A crash mid-save leaves the previous version intact (models.files.write_atomic);
+a file that cannot be read is skipped when listing, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from app.chat_template import ChatMessage
+from models.files import write_atomic
+from models.paths import data_dir
+
+TITLE_CHARS = 60
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    updated: str  # ISO 8601, UTC
+    model: str | None
+    system_prompt: str
+    messages: tuple[ChatMessage, ...]
+
+    @property
+    def title(self) -> str:
+        first = next((m.content for m in self.messages if m.role == "user"), "(empty)")
+        line = " ".join(first.split())
+        return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+
+
+def new_conversation_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+class ConversationStore:
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder or data_dir() / "conversations"
+
+    def save(self, conversation: Conversation) -> None:
+        data = {
+            "id": conversation.id,
+            "updated": conversation.updated,
+            "model": conversation.model,
+            "system_prompt": conversation.system_prompt,
+            "messages": [{"role": m.role, "content": m.content} for m in conversation.messages],
+        }
+        write_atomic(self.folder / f"{conversation.id}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+
+    def load(self, conversation_id: str) -> Conversation:
+        data = json.loads((self.folder / f"{conversation_id}.json").read_text(encoding="utf-8"))
+        messages = tuple(ChatMessage(m["role"], m["content"]) for m in data["messages"])
+        if any(m.role not in ("user", "assistant", "system") or not isinstance(m.content, str) for m in messages):
+            raise ValueError(f"conversation {conversation_id} has a malformed message")
+        return Conversation(data["id"], data["updated"], data.get("model"), data.get("system_prompt", ""), messages)
+
+    def list(self) -> list[Conversation]:
+        """Saved conversations, newest first; unreadable files are skipped."""
+        out = []
+        for path in self.folder.glob("*.json"):
+            try:
+                out.append(self.load(path.stem))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(out, key=lambda c: c.updated, reverse=True)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,104 @@
+"""The chat app's settings, kept in a JSON file in platformdirs' per-user config dir.
+
+`SPECCHAT_CONFIG_DIR` overrides the folder (tests, portable installs). The
+file is written atomically; a file that cannot be read (hand-edited, from an
+older version) falls back to the defaults with a warning instead of stopping
+the app.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import platformdirs
+
+from backends.engine import STRATEGIES, StrategyOptions
+from backends.sampling import GenParams
+from models.files import write_atomic
+
+SETTINGS_FILE = "settings.json"
+# Chat turns are longer than a one-shot completion's default.
+CHAT_MAX_TOKENS = 512
+# Sequence ids every context is made with, so the user can switch to lookahead or
+# tree mid-chat without reloading (kv_unified: the ids share one cache, no extra memory).
+CHAT_N_SEQ_MAX = 64
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str | None = None
+    draft: str | None = None
+    strategy: str = "sps"
+    params: GenParams = field(default_factory=lambda: GenParams(max_tokens=CHAT_MAX_TOKENS))
+    options: StrategyOptions = field(default_factory=StrategyOptions)
+    system_prompt: str = ""
+    speculation_view: bool = True
+    n_ctx: int = 4096
+    threads: int | None = None
+    n_gpu_layers: int = 0
+    n_gpu_layers_draft: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.n_ctx < 16:
+            raise ValueError("the context size must be at least 16 tokens")
+
+
+def get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def with_path(obj: Any, path: str, value: Any) -> Any:
+    """A copy of `obj` with the field at `path` replaced (validated by each dataclass on the way up)."""
+    head, _, rest = path.partition(".")
+    return replace(obj, **{head: with_path(getattr(obj, head), rest, value) if rest else value})
+
+
+def config_dir() -> Path:
+    override = os.environ.get("SPECCHAT_CONFIG_DIR")
+    return Path(override).expanduser() if override else Path(platformdirs.user_config_dir("specchat", appauthor=False))
+
+
+def _from_dict(cls: type[T], data: Any) -> T:
+    """Rebuild a (nested) settings dataclass from JSON, checking each value against the default's type."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object for {cls.__name__}")
+    default = cls()
+    values = {}
+    for f in fields(default):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        current, value = getattr(default, f.name), data[f.name]
+        if is_dataclass(current):
+            value = _from_dict(type(current), value)
+        elif isinstance(current, tuple):
+            value = tuple(value)
+        elif current is not None and value is not None and not isinstance(value, type(current)):
+            if not (isinstance(current, float) and isinstance(value, int)):
+                raise ValueError(f"{f.name}: expected {type(current).__name__}, got {value!r}")
+        values[f.name] = value
+    return replace(default, **values)  # type: ignore[type-var]
+
+
+def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
+    """The saved settings and, if the file was unusable, a warning saying so."""
+    path = path or config_dir() / SETTINGS_FILE
+    if not path.exists():
+        return Settings(), None
+    try:
+        return _from_dict(Settings, json.loads(path.read_text(encoding="utf-8"))), None
+    except (OSError, ValueError, TypeError) as e:
+        return Settings(), f"ignored unreadable settings file {path}: {e}"
+
+
+def save_settings(settings: Settings, path: Path | None = None) -> None:
+    write_atomic(path or config_dir() / SETTINGS_FILE, json.dumps(asdict(settings), indent=2) + "\n")

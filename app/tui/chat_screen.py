@@ -1,0 +1,378 @@
+"""The chat screen: transcript, input, live stats bar, key bindings.
+
+llama.cpp work (loading, the plain-decoding calibration, every turn) runs in
+Textual thread workers, one at a time under `_engine_lock`, and reaches the UI
+only as messages (app.tui.streaming), so the interface never waits on the
+model. Escape sets the cancel flag the strategy polls between target
+forwards; the partial answer is kept and the session stays usable.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import replace
+from typing import Callable
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, ProgressBar, Static
+
+from app.chat_template import ChatTemplateError
+from app.conversations import Conversation, ConversationStore, new_conversation_id, now_iso
+from app.session import ChatSession, TurnRequest, measure_plain_decoding
+from app.settings import CHAT_N_SEQ_MAX, Settings
+from app.tui.history_screen import HistoryScreen
+from app.tui.settings_screen import SettingsScreen
+from app.tui.stats_bar import StatsBar, strategy_label
+from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
+from app.tui.welcome_screen import WelcomeScreen
+from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, EngineConfig, n_seq_needed
+from backends.events import Done
+from backends.run import PromptError
+from models.errors import ModelError
+from models.resolve import resolve_model
+
+# Settings whose change needs the models loaded again.
+RELOAD_FIELDS = ("target", "draft", "n_ctx", "threads", "n_gpu_layers", "n_gpu_layers_draft")
+
+
+class LoadProgress(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class ModelLoaded(Message):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+
+class LoadFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class BaselineMeasured(Message):
+    def __init__(self, tokens_per_second: float) -> None:
+        super().__init__()
+        self.tokens_per_second = tokens_per_second
+
+
+class TurnFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+def _describe(e: Exception) -> str:
+    user_facing = (ModelError, PromptError, ChatTemplateError, ValueError, OSError)
+    return str(e) if isinstance(e, user_facing) else f"{type(e).__name__}: {e}"
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("f2", "next_strategy", "Strategy"),
+        Binding("f3", "toggle_view", "Spec view"),
+        Binding("f4", "settings", "Settings"),
+        Binding("f5", "history", "Chats"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+    ]
+
+    def __init__(self, settings: Settings, store: ConversationStore, save: Callable[[Settings], None],
+                 calibrate: bool = True) -> None:
+        super().__init__()
+        self.settings = settings
+        self.store = store
+        self._save = save
+        self.calibrate = calibrate
+        self.engine: Engine | None = None
+        self.session: ChatSession | None = None
+        self.generating = False
+        self.loading = False
+        self.conversation_id = new_conversation_id()
+        self._engine_lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._answer: AnswerView | None = None
+        self._plain_speeds: list[float] = []
+        self.last_done: Done | None = None  # the last turn's end, with its stats
+
+    # -- layout ---------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Transcript(id="transcript")
+        yield StatsBar()
+        yield Input(placeholder="Message (Enter to send)", id="prompt")
+        yield Footer()
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def stats(self) -> StatsBar:
+        return self.query_one(StatsBar)
+
+    def on_mount(self) -> None:
+        self._show_label()
+        self.query_one("#prompt", Input).focus()
+        if self.settings.target:
+            self.load_models()
+        else:
+            self.app.push_screen(WelcomeScreen(), self._welcome_choice)
+
+    def _welcome_choice(self, choice: str | None) -> None:
+        if choice == "demo":
+            self._change_settings(replace(self.settings, target="demo", draft="demo-draft"))
+        else:
+            self.action_settings()
+
+    def _show_label(self) -> None:
+        s = self.settings
+        self.stats.show(label=strategy_label(s.strategy, s.options, s.params))
+
+    def _note(self, text: str, kind: str = "info") -> None:
+        self.transcript.add(Note(text, kind))
+
+    # -- loading --------------------------------------------------------------
+
+    def load_models(self) -> None:
+        if self.generating or self.loading:
+            self.notify("wait for the current answer or load to finish (Escape stops an answer)", severity="warning")
+            return
+        self.loading = True
+        old = self.engine
+        self.engine = self.session = None
+        self.stats.show(state="loading…")
+        self.mount(ProgressBar(total=None, show_eta=False, id="load-progress"), before=self.stats)
+        self._load_worker(self.settings, old)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _load_worker(self, settings: Settings, old: Engine | None) -> None:
+        post = self.post_message
+        try:
+            with self._engine_lock:
+                if old is not None:
+                    old.close()  # before loading: two big models at once may not fit in memory
+                assert settings.target is not None
+                target = resolve_model(settings.target, lambda msg: post(LoadProgress(msg)))
+                draft = resolve_model(settings.draft, lambda msg: post(LoadProgress(msg))) if settings.draft else None
+                post(LoadProgress(f"loading {target.name}" + (f" + {draft.name}" if draft else "")))
+                engine = Engine(EngineConfig(
+                    target=target, draft=draft, n_ctx=settings.n_ctx, threads=settings.threads,
+                    n_gpu_layers=settings.n_gpu_layers, n_gpu_layers_draft=settings.n_gpu_layers_draft,
+                    n_seq_max=CHAT_N_SEQ_MAX,
+                ))
+            post(ModelLoaded(engine))
+            if self.calibrate:
+                with self._engine_lock:
+                    post(BaselineMeasured(measure_plain_decoding(engine)))
+        except Exception as e:  # shown in the app; the app stays open
+            post(LoadFailed(_describe(e)))
+
+    def on_load_progress(self, message: LoadProgress) -> None:
+        self.stats.show(state=message.text)
+
+    def _end_loading(self) -> None:
+        self.loading = False
+        for bar in self.query("#load-progress"):
+            bar.remove()
+
+    def on_model_loaded(self, message: ModelLoaded) -> None:
+        self._end_loading()
+        engine = message.engine
+        previous = self.session.messages if self.session else []
+        self.engine = engine
+        self.session = ChatSession(engine, self.settings.system_prompt)
+        self.session.reset(previous)
+        names = engine.config.target.name + (f" + {engine.config.draft.name}" if engine.config.draft else "")
+        self.app.sub_title = names
+        mode = "plain completion (no chat template)" if self.session.plain else "chat template"
+        self._note(f"loaded {names} · {mode}")
+        self.stats.show(state="ready")
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        self._end_loading()
+        self._note(f"could not load the model: {message.error}", "error")
+        self.stats.show(state="no model · F4 to choose one")
+        self.notify(message.error, title="model not loaded", severity="error")
+
+    def on_baseline_measured(self, message: BaselineMeasured) -> None:
+        if not self._plain_speeds:  # a real plain-decoding turn is the better baseline
+            self.stats.show(baseline=message.tokens_per_second)
+
+    # -- turns ----------------------------------------------------------------
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.generating:
+            self.notify("still answering; Escape stops it", severity="warning")
+            return
+        if self.session is None:
+            self.notify("no model is loaded (F4: settings)", severity="warning")
+            return
+        event.input.value = ""
+        s = self.settings
+        request = TurnRequest(s.strategy, s.params, s.options)
+        self.transcript.add(UserMessage(text))
+        self._answer = AnswerView(s.speculation_view)
+        self.transcript.add(self._answer)
+        self.generating = True
+        self._cancel.clear()
+        self.stats.show(state="answering…")
+        self._turn_worker(self.session, text, request)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _turn_worker(self, session: ChatSession, text: str, request: TurnRequest) -> None:
+        with self._engine_lock:
+            try:
+                stream_events(request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message)
+            except Exception as e:  # a prompt that does not fit, a template error, a bad setting
+                self.post_message(TurnFailed(_describe(e)))
+
+    def on_prompt_decoded(self, message: PromptDecoded) -> None:
+        p = message.prefilled
+        self.stats.show(state=f"answering · prompt {p.n_tokens} tokens, {p.n_cached} cached")
+
+    def on_tokens_arrived(self, message: TokensArrived) -> None:
+        if self._answer is not None:
+            self._answer.add_tokens(message.tokens)
+            self.transcript.changed()
+        self.stats.show(live=message.live)
+
+    def on_turn_finished(self, message: TurnFinished) -> None:
+        done = self.last_done = message.done
+        self.generating = False
+        if self._answer is not None:
+            self._answer.finish(done.tail)
+        stats = done.stats
+        if stats.strategy == "ar" and done.reason != "error" and stats.generated_tokens >= 8:
+            self._plain_speeds.append(stats.tokens_per_second)
+            self.stats.show(baseline=statistics.median(self._plain_speeds))
+        self.stats.show(live=LiveStats.from_stats(stats), state=f"done: {done.reason}")
+        if done.reason == "error":
+            self._note(f"generation failed: {done.error}", "error")
+        elif done.reason == "cancelled":
+            self._note("stopped; the answer so far is kept", "info")
+        self._save_conversation()
+
+    def on_turn_failed(self, message: TurnFailed) -> None:
+        self.generating = False
+        if self._answer is not None:
+            self._answer.remove()
+            self._answer = None
+        self._note(message.error, "error")
+        self.stats.show(state="ready")
+
+    def _save_conversation(self) -> None:
+        if self.session is None or not self.session.messages:
+            return
+        try:
+            self.store.save(Conversation(self.conversation_id, now_iso(), self.settings.target,
+                                         self.session.system_prompt, tuple(self.session.messages)))
+        except OSError as e:
+            self.notify(f"could not save the conversation: {e}", severity="error")
+
+    # -- actions --------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self._cancel.set()
+            self.stats.show(state="stopping…")
+
+    def _available(self, strategy: str) -> bool:
+        if strategy in NEEDS_DRAFT and self.engine is not None and self.engine.draft is None:
+            return False
+        return n_seq_needed(strategy, self.settings.options) <= CHAT_N_SEQ_MAX
+
+    def action_next_strategy(self) -> None:
+        i = STRATEGIES.index(self.settings.strategy)
+        for step in range(1, len(STRATEGIES) + 1):
+            candidate = STRATEGIES[(i + step) % len(STRATEGIES)]
+            if self._available(candidate):
+                self._change_settings(replace(self.settings, strategy=candidate))
+                self.notify(f"strategy: {candidate} (from the next turn)")
+                return
+
+    def action_toggle_view(self) -> None:
+        self._change_settings(replace(self.settings, speculation_view=not self.settings.speculation_view))
+
+    def action_settings(self) -> None:
+        self.app.push_screen(SettingsScreen(self.settings), self._settings_done)
+
+    def _settings_done(self, settings: Settings | None) -> None:
+        if settings is not None:
+            self._change_settings(settings)
+
+    def _change_settings(self, new: Settings) -> None:
+        old, self.settings = self.settings, new
+        self._save(new)
+        self._show_label()
+        if new.speculation_view != old.speculation_view:
+            for answer in self.transcript.answers():
+                answer.set_view(new.speculation_view)
+        if self.session is not None:
+            self.session.system_prompt = new.system_prompt
+        models_changed = any(getattr(new, f) != getattr(old, f) for f in RELOAD_FIELDS)
+        if new.target and (models_changed or (self.engine is None and not self.loading)):
+            self.load_models()
+        if not self._available(new.strategy):
+            self.notify(f"'{new.strategy}' needs a draft model or fewer sequences; set one in Settings (F4)",
+                        severity="warning")
+
+    def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("stop the answer first (Escape)", severity="warning")
+            return
+        self.transcript.remove_children()
+        self.conversation_id = new_conversation_id()
+        if self.session is not None:
+            self.session.system_prompt = self.settings.system_prompt
+            self.session.reset()
+
+    def action_history(self) -> None:
+        self.app.push_screen(HistoryScreen(self.store.list()), self._reopen)
+
+    def _reopen(self, conversation_id: str | None) -> None:
+        if conversation_id is None:
+            return
+        if self.generating or self.session is None:
+            self.notify("load a model and stop any answer before reopening a chat", severity="warning")
+            return
+        try:
+            conversation = self.store.load(conversation_id)
+        except (OSError, ValueError, KeyError) as e:
+            self.notify(f"could not open that conversation: {e}", severity="error")
+            return
+        self.transcript.remove_children()
+        for m in conversation.messages:
+            if m.role == "user":
+                self.transcript.add(UserMessage(m.content))
+            elif m.role == "assistant":
+                answer = AnswerView(self.settings.speculation_view)
+                self.transcript.add(answer)
+                answer.finish(m.content)
+        self.conversation_id = conversation.id
+        self.session.system_prompt = conversation.system_prompt
+        self.session.reset([m for m in conversation.messages if m.role != "system"])
+
+    def close_engine(self) -> None:
+        """On exit: stop a running answer, then free llama.cpp's memory once no worker uses it."""
+        self._cancel.set()
+        if self._engine_lock.acquire(timeout=10):
+            try:
+                if self.engine is not None:
+                    self.engine.close()
+                    self.engine = self.session = None
+            finally:
+                self._engine_lock.release()

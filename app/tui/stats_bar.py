@@ -1,0 +1,70 @@
+"""The stats bar: strategy and its settings, acceptance, tokens per target
+forward, tokens/s, and the speedup against plain decoding measured on this
+device in this session (SPEC section 8)."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from app.tui.streaming import LiveStats
+from backends.engine import StrategyOptions
+from backends.sampling import GenParams
+
+
+def strategy_label(strategy: str, options: StrategyOptions, params: GenParams) -> str:
+    """What runs the next turn, in the CLI's flag vocabulary."""
+    if strategy == "sps":
+        s = options.sps
+        detail = f"K={s.draft_max} p_min={s.p_min}" + (" adaptive" if s.adaptive else "")
+    elif strategy == "lookahead":
+        a = options.lookahead
+        detail = f"W={a.window} N={a.ngram} G={a.guesses}"
+    elif strategy == "lookup":
+        u = options.lookup
+        detail = f"K={u.draft_max} n={u.ngram_max}..{u.ngram_min}"
+    elif strategy == "tree":
+        t = options.tree
+        detail = f"D={t.depth} k={t.top_k} M={t.nodes}"
+    else:
+        detail = "plain decoding"
+    sampling = "greedy" if params.greedy else f"temp {params.temperature:g} top-p {params.top_p:g}"
+    return f"{strategy} {detail} · {sampling}"
+
+
+class StatsBar(Static):
+    def __init__(self) -> None:
+        super().__init__("", id="stats")
+        self.label = ""
+        self.state = "no model"
+        self.live: LiveStats | None = None
+        self.baseline: float | None = None  # plain decoding tok/s, measured in this session
+
+    def show(self, *, label: str | None = None, state: str | None = None, live: LiveStats | None = None,
+             baseline: float | None = None) -> None:
+        if label is not None:
+            self.label = label
+        if state is not None:
+            self.state = state
+        if live is not None:
+            self.live = live
+        if baseline is not None:
+            self.baseline = baseline
+        self.update(self.render_text())
+
+    def render_text(self) -> Text:
+        text = Text()
+        text.append(self.label, style="bold")
+        text.append(f"  │  {self.state}")
+        live = self.live
+        if live is not None:
+            acc = "—" if live.acceptance_rate is None else f"{100 * live.acceptance_rate:.0f}%"
+            text.append(f"  │  accept {acc}  │  {live.tokens_per_forward:.2f} tok/fwd  │  "
+                        f"{live.tokens_per_second:.1f} tok/s")
+            if self.baseline:
+                speedup = live.tokens_per_second / self.baseline
+                text.append(f"  │  {speedup:.2f}× ", style="bold green" if speedup >= 1 else "bold red")
+                text.append(f"vs plain {self.baseline:.1f} tok/s")
+        elif self.baseline:
+            text.append(f"  │  plain decoding here: {self.baseline:.1f} tok/s")
+        return text

@@ -1,0 +1,102 @@
+"""From the engine's event stream (SPEC section 4) to UI messages, in the generation thread.
+
+A step of speculation can release a burst of tokens in microseconds; posting
+one message per token would flood the UI's queue and steal CPU from
+generation. Tokens are collected and posted at most every `interval` seconds,
+always at a step boundary, plus once at the end. Live stats come from the
+same stream (StepEnd carries drafted/accepted per target forward), so the
+bar moves while the answer streams; the final figures are `Done.stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from textual.message import Message
+
+from backends.events import REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
+
+POST_INTERVAL = 1 / 30  # seconds: about one UI update per frame
+
+
+@dataclass(frozen=True)
+class LiveStats:
+    strategy: str
+    generated: int
+    drafted: int
+    accepted: int
+    forwards: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.forwards if self.forwards else 0.0
+
+    @classmethod
+    def from_stats(cls, stats: GenStats) -> "LiveStats":
+        return cls(stats.strategy, stats.generated_tokens, stats.drafted, stats.accepted,
+                   stats.target_forwards, stats.decode_seconds)
+
+
+class TokensArrived(Message):
+    def __init__(self, tokens: tuple[Token, ...], live: LiveStats) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.live = live
+
+
+class PromptDecoded(Message):
+    def __init__(self, prefilled: Prefilled) -> None:
+        super().__init__()
+        self.prefilled = prefilled
+
+
+class TurnFinished(Message):
+    def __init__(self, done: Done) -> None:
+        super().__init__()
+        self.done = done
+
+
+def stream_events(
+    strategy: str,
+    events: Iterable[Event],
+    post: Callable[[Message], object],
+    interval: float = POST_INTERVAL,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Done | None:
+    """Post the stream as coalesced messages; returns the `Done` event."""
+    pending: list[Token] = []
+    generated = drafted = accepted = forwards = 0
+    started = last_post = clock()
+    for event in events:
+        if isinstance(event, Token):
+            pending.append(event)
+            generated += event.kind != REJECTED
+        elif isinstance(event, StepEnd):
+            forwards += 1
+            drafted += event.drafted
+            accepted += event.accepted
+            now = clock()
+            if pending and now - last_post >= interval:
+                live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started)
+                post(TokensArrived(tuple(pending), live))
+                pending, last_post = [], now
+        elif isinstance(event, Prefilled):
+            started = last_post = clock()
+            post(PromptDecoded(event))
+        elif isinstance(event, Done):
+            if pending:
+                post(TokensArrived(tuple(pending), LiveStats.from_stats(event.stats)))
+            post(TurnFinished(event))
+            return event
+    return None
