@@ -7,6 +7,7 @@ target's own tokens in the default colour), JSON event lines, and stats.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import IO
 
 from rich.console import Console
@@ -14,14 +15,25 @@ from rich.text import Text
 
 from backends.events import ACCEPTED, REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
 
-STYLES = {ACCEPTED: "green", REJECTED: "red strike"}
-CORRECTION_STYLE = "blue"
+@dataclass(frozen=True)
+class Palette:
+    """Styles of the speculation view; the target's own tokens keep the default style."""
+
+    accepted: str
+    rejected: str
+    correction: str
 
 
-def token_style(tok: Token) -> str:
+# The terminal's own colours for the CLI; fixed colours in the chat app, whose theme
+# would otherwise turn ANSI red and blue into pink and purple.
+ANSI = Palette(accepted="green", rejected="red strike", correction="blue")
+TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff")
+
+
+def token_style(tok: Token, palette: Palette = ANSI) -> str:
     if tok.correction:
-        return CORRECTION_STYLE
-    return STYLES.get(tok.kind, "")
+        return palette.correction
+    return {ACCEPTED: palette.accepted, REJECTED: palette.rejected}.get(tok.kind, "")
 
 
 class TextView:

@@ -11,6 +11,7 @@ import pytest
 from rich.markdown import Markdown
 
 from app.cli import main
+from app.render import TRUECOLOR
 from app.settings import load_settings
 from app.tui.transcript import AnswerView, UserMessage
 from backends.engine import Engine, EngineConfig
@@ -45,7 +46,10 @@ def test_answer_equals_specchat_run(tiny, tmp_path, capsys) -> None:
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_loaded(pilot)
             await pilot.click("#prompt")
-            await pilot.press(*[("space" if c == " " else c) for c in PROMPT], "enter")
+            await pilot.press(*[("space" if c == " " else c) for c in PROMPT])
+            typed = app.chat.query_one("#prompt")
+            await wait_for(pilot, lambda: typed.value == PROMPT, f"the typed prompt (got {typed.value!r})", 10)
+            await pilot.press("enter")
             await wait_for(pilot, lambda: app.chat.last_done is not None and not app.chat.generating, "the answer")
             await pilot.pause()
             last = list(app.chat.transcript.children)[-1]
@@ -162,7 +166,8 @@ def test_speculation_view_toggles_colours_and_markdown(tiny, tmp_path) -> None:
             answer = app.chat.transcript.answers()[0]
             assert answer.view_renderable() is answer.coloured
             styles = {str(span.style) for span in answer.coloured.spans}
-            assert {"green", "red strike", "blue"} <= styles, styles
+            palette = TRUECOLOR
+            assert {palette.accepted, palette.rejected, palette.correction} <= styles, styles
             rejected = [t for t in answer.tokens if t.kind == REJECTED]
             assert rejected and all(t.text not in ("", None) for t in rejected)
             await pilot.press("f3")

@@ -95,16 +95,17 @@ class SettingsScreen(ModalScreen[Settings | None]):
                         yield self._editor(path)
             yield Static("", id="settings-error")
             with Horizontal(classes="buttons"):
-                yield Button("Apply", variant="primary", id="apply")
-                yield Button("Cancel", id="cancel")
+                yield Button("Apply (Ctrl+S)", variant="primary", id="apply", compact=True)
+                yield Button("Cancel (Esc)", id="cancel", compact=True)
 
     def _editor(self, path: str):
         value = get_path(self.settings, path)
         if path == "strategy":
-            return Select([(s, s) for s in STRATEGIES], value=value, allow_blank=False, id=_field_id(path))
+            return Select([(s, s) for s in STRATEGIES], value=value, allow_blank=False, id=_field_id(path),
+                          compact=True)
         if isinstance(value, bool):
             return Switch(value=value, id=_field_id(path))
-        return Input("" if value is None else str(value), id=_field_id(path))
+        return Input("" if value is None else str(value), id=_field_id(path), compact=True)
 
     def collect(self) -> Settings:
         """The settings as edited; raises ValueError naming the first bad field."""

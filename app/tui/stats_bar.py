@@ -53,18 +53,20 @@ class StatsBar(Static):
         self.update(self.render_text())
 
     def render_text(self) -> Text:
+        """Two lines: what runs and what it is doing; then the figures of the last or current turn."""
         text = Text()
         text.append(self.label, style="bold")
-        text.append(f"  │  {self.state}")
+        text.append(f"  ·  {self.state}\n")
         live = self.live
         if live is not None:
             acc = "—" if live.acceptance_rate is None else f"{100 * live.acceptance_rate:.0f}%"
-            text.append(f"  │  accept {acc}  │  {live.tokens_per_forward:.2f} tok/fwd  │  "
+            text.append(f"accepted {acc}  │  {live.tokens_per_forward:.2f} tokens/forward  │  "
                         f"{live.tokens_per_second:.1f} tok/s")
             if self.baseline:
                 speedup = live.tokens_per_second / self.baseline
-                text.append(f"  │  {speedup:.2f}× ", style="bold green" if speedup >= 1 else "bold red")
-                text.append(f"vs plain {self.baseline:.1f} tok/s")
+                text.append("  │  ")
+                text.append(f"{speedup:.2f}×", style="bold green" if speedup >= 1 else "bold red")
+                text.append(f" vs plain decoding ({self.baseline:.1f} tok/s here)")
         elif self.baseline:
-            text.append(f"  │  plain decoding here: {self.baseline:.1f} tok/s")
+            text.append(f"plain decoding here: {self.baseline:.1f} tok/s")
         return text

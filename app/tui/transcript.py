@@ -17,7 +17,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from app.render import token_style
+from app.render import TRUECOLOR, token_style
 from backends.events import REJECTED, Token
 
 
@@ -48,7 +48,7 @@ class AnswerView(Static):
     def add_tokens(self, tokens: Iterable[Token]) -> None:
         for tok in tokens:
             self.tokens.append(tok)
-            self._coloured.append(tok.text, style=token_style(tok))
+            self._coloured.append(tok.text, style=token_style(tok, TRUECOLOR))
         self._show()
 
     def finish(self, tail: str) -> None:

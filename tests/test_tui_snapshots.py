@@ -1,0 +1,62 @@
+"""Pictures of the chat app (pytest-textual-snapshot): fixed terminal size, real tiny models.
+
+Timings are the only thing that changes between runs, so the stats bar's
+figures are pinned (100 tok/s against a plain-decoding baseline of 80) after
+the real answer has been generated; everything else on screen is what the app
+rendered. Update with `pytest tests/test_tui_snapshots.py --snapshot-update`
+after checking the new pictures by eye.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tui_helpers import app_for, send, tiny_settings, wait_loaded
+
+SIZE = (100, 30)
+PINNED_TOKENS_PER_SECOND = 100.0
+PINNED_BASELINE = 80.0
+
+
+def _small(tiny, tmp_path, monkeypatch):
+    # Relative model paths: the settings panel shows them, and tmp folders differ between runs.
+    monkeypatch.chdir(tiny.small_target.parent)
+    return app_for(tiny_settings(tiny.small_target.name, tiny.small_draft.name, "sps", 40), tmp_path)
+
+
+async def _answered(pilot) -> None:
+    await wait_loaded(pilot)
+    await send(pilot, "a b")
+    chat = pilot.app.chat
+    live = chat.stats.live
+    chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+    await pilot.pause()
+
+
+def test_empty_chat(snap_compare, tiny, tmp_path, monkeypatch) -> None:
+    assert snap_compare(_small(tiny, tmp_path, monkeypatch), terminal_size=SIZE, run_before=wait_loaded)
+
+
+def test_answer_with_speculation_view(snap_compare, tiny, tmp_path, monkeypatch) -> None:
+    assert snap_compare(_small(tiny, tmp_path, monkeypatch), terminal_size=SIZE, run_before=_answered)
+
+
+def test_answer_as_markdown(snap_compare, tiny, tmp_path, monkeypatch) -> None:
+    async def run_before(pilot) -> None:
+        await _answered(pilot)
+        await pilot.press("f3")
+
+    assert snap_compare(_small(tiny, tmp_path, monkeypatch), terminal_size=SIZE, run_before=run_before)
+
+
+def test_settings_panel(snap_compare, tiny, tmp_path, monkeypatch) -> None:
+    async def run_before(pilot) -> None:
+        await wait_loaded(pilot)
+        await pilot.press("f4")
+
+    assert snap_compare(_small(tiny, tmp_path, monkeypatch), terminal_size=SIZE, run_before=run_before)
+
+
+def test_error_message(snap_compare, tmp_path) -> None:
+    app = app_for(tiny_settings("missing-model.gguf", None, "ar"), tmp_path)
+    assert snap_compare(app, terminal_size=SIZE, run_before=wait_loaded)
