@@ -7,13 +7,16 @@ strategy ran the turns before (all strategies of an engine share that cache).
 
 Two ways to format a conversation:
 - the GGUF's chat template (rendered in a jinja2 sandbox, `app.chat_template`)
-  when the model has one; the rendered text is tokenized whole each turn, as
-  llama.cpp's server does, and the cache reuses the common prefix;
+  when the model has one;
 - plain text completion for a base model without one (the demo model): the
   conversation is one continuing document. The first turn's prompt is exactly
   the user's text (so it equals `specchat run TEXT`); each later message
-  starts on a new line after the previous answer. The document is kept as the
-  exact tokens the model saw and produced, so nothing is re-decoded.
+  starts on a new line after the previous answer.
+Either way the text is tokenized whole each turn, as llama.cpp's server does:
+the model sees the canonical tokens of what the transcript shows (tokenizing
+only the new message would add SentencePiece's dummy-prefix space on some
+vocabularies), a reopened chat works the same as a live one, and the cache
+still reuses everything up to the first token that differs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from backends.events import Done, Event
 from backends.sampling import GenParams
 from backends.strategies.base import never
 
+# Context kept free for an answer when old turns must leave the prompt.
+ANSWER_ROOM = 256
 CALIBRATION_PROMPT = "The history of the printing press"
 CALIBRATION_TOKENS = 24
 
@@ -46,16 +51,15 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.template = engine.target_info.chat_template
         self.messages: list[ChatMessage] = []
-        self._document: list[int] = []  # plain mode: every token so far
+        self.dropped = 0  # messages of the last prompt left out because the context is full
 
     @property
     def plain(self) -> bool:
         return self.template is None
 
     def reset(self, messages: Sequence[ChatMessage] = ()) -> None:
-        """A new chat, or a saved one reopened (its plain document is tokenized afresh)."""
+        """A new chat, or a saved one reopened."""
         self.messages = list(messages)
-        self._document = self.engine.tokenize(self._plain_text(self.messages)) if self.plain and messages else []
 
     def _plain_text(self, messages: Sequence[ChatMessage]) -> str:
         text = f"{self.system_prompt}\n" if self.system_prompt else ""
@@ -65,27 +69,33 @@ class ChatSession:
             text += m.content
         return text
 
-    def prompt_tokens(self, user_text: str) -> list[int]:
-        """The whole conversation plus the new message, as the target will see it."""
-        if not self.plain:
-            system = [ChatMessage("system", self.system_prompt)] if self.system_prompt else []
-            info, model = self.engine.target_info, self.engine.target_model
-            text = render_chat(
-                self.template or "", [*system, *self.messages, ChatMessage("user", user_text)],
-                bos_token=model.token_text(info.bos_id) if info.bos_id is not None else "",
-                eos_token=model.token_text(info.eos_id) if info.eos_id is not None else "",
-            )
-            # Templates usually write the BOS text themselves; adding it again would double it.
-            bos = model.token_text(info.bos_id) if info.bos_id is not None else None
-            add_special = not (bos and text.startswith(bos))
-            return model.tokenize(text, add_special=add_special, parse_special=True)
-        if not self._document:
-            return self.engine.tokenize(self._plain_text([ChatMessage("user", user_text)]))
-        last = self.messages[-1].content if self.messages else ""
-        separator = "" if last.endswith("\n") else "\n"
-        return self._document + self.engine.target_model.tokenize(
-            separator + user_text, add_special=False, parse_special=True
-        )
+    def prompt_tokens(self, user_text: str, reserve: int = 0) -> list[int]:
+        """The conversation plus the new message, as the target will see it.
+
+        When it does not fit the context with `reserve` tokens left for the
+        answer, the oldest turns are left out of the prompt (they stay in the
+        transcript), as chat apps do; `dropped` says how many messages.
+        """
+        n_ctx = min(seq.n_ctx for seq in (self.engine.target, self.engine.draft) if seq is not None)
+        history = self.messages
+        while True:
+            tokens = self._tokens([*history, ChatMessage("user", user_text)])
+            if len(tokens) + reserve <= n_ctx or not history:
+                self.dropped = len(self.messages) - len(history)
+                return tokens
+            history = history[2:]  # one user message and its answer
+
+    def _tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if self.plain:
+            return self.engine.tokenize(self._plain_text(messages))
+        system = [ChatMessage("system", self.system_prompt)] if self.system_prompt else []
+        info, model = self.engine.target_info, self.engine.target_model
+        bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
+        eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
+        text = render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos)
+        # Templates usually write the BOS text themselves; adding it again would double it.
+        add_special = not (bos and text.startswith(bos))
+        return model.tokenize(text, add_special=add_special, parse_special=True)
 
     def turn(self, user_text: str, request: TurnRequest, should_stop: Callable[[], bool] = never) -> Iterator[Event]:
         """Generate the answer; the turn joins the conversation unless it failed.
@@ -93,15 +103,13 @@ class ChatSession:
         A cancelled answer is kept as far as it got (as chat apps do). Raises
         PromptError (before any event) when the conversation no longer fits.
         """
-        prompt = self.prompt_tokens(user_text)
+        prompt = self.prompt_tokens(user_text, reserve=min(request.params.max_tokens, ANSWER_ROOM))
         strategy = self.engine.strategy(request.strategy, request.options)
         events = strategy.generate(prompt, request.params, should_stop)
         for event in events:
             # Committed before Done is handed on: a consumer may stop iterating at Done.
             if isinstance(event, Done) and event.reason != "error":
                 self.messages += [ChatMessage("user", user_text), ChatMessage("assistant", event.text)]
-                if self.plain:
-                    self._document = prompt + list(event.tokens)
             yield event
 
 

@@ -37,7 +37,7 @@ class KvSequence:
     def __init__(self, ctx: LlamaContext) -> None:
         self.ctx = ctx
         self.tokens: list[int] = []
-        self.batch = Batch(ctx.config.n_batch, ctx.config.n_seq_max)
+        self.batch = Batch(ctx.n_batch, ctx.config.n_seq_max)
         # Batch row whose logits belong to the last decoded token.
         self.last_row = -1
 

@@ -255,6 +255,8 @@ class LlamaContext:
         self._ptr = ptr
         self._mem = llama_cpp.llama_get_memory(ptr)
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
+        # llama.cpp lowers n_batch to n_ctx when the context is smaller; a bigger batch would abort.
+        self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_vocab = model.n_vocab
 
     def decode(self, batch: Batch) -> None:

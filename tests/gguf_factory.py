@@ -71,6 +71,7 @@ def write_llama_gguf(
     noise: float = 0.0,
     noise_seed: int = 1,
     architecture: str = "llama",
+    chat_template: str | None = None,
 ) -> Path:
     """Write a loadable llama GGUF. `noise` > 0 perturbs every weight (a 'draft' of the seed's model)."""
     vocab = vocab or spm_vocab()
@@ -104,6 +105,8 @@ def write_llama_gguf(
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     w.add_tensor("token_embd.weight", weight((n_vocab, d), 1.0))
     for i in range(model.n_layer):

@@ -117,3 +117,13 @@ def test_demo_command_runs_the_bundled_pair(demo_pair) -> None:
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     assert "\x1b[32m" in r.stdout and "strategy sps" in r.stderr and "accepted" in r.stderr
+
+
+def test_context_smaller_than_the_batch_does_not_abort(tiny) -> None:
+    """llama.cpp lowers n_batch to the requested n_ctx (160) but rounds n_ctx up (256): a
+    prompt between the two must be decoded in batches of the real n_batch, not abort."""
+    prompt = "ab" * 100
+    n_prompt = len(LlamaModel(tiny.target).tokenize(prompt))
+    assert 160 < n_prompt < 240
+    r = _cli("run", prompt, "-m", str(tiny.target), "-s", "ar", "-n", "8", "-c", "160", "--no-color")
+    assert r.returncode == 0, r.stderr

@@ -82,13 +82,14 @@ def test_strategy_switch_keeps_conversation_and_cache(tiny, tmp_path, capsys) ->
             assert answers[0] == first
             assert answers[1] == greedy_continuation(tiny.target, document, 24)
             assert [m.role for m in chat.session.messages] == ["user", "assistant"] * 2
-            # Only the new message was decoded: all of turn 1 but its last token (never decoded,
-            # by the cache convention of backends/run.py) was in the cache already.
-            turn1_tokens = turn1.stats.prompt_tokens + turn1.stats.generated_tokens
+            # The cache kept everything turn 1 left that the new prompt starts with (all of
+            # turn 1 but its last token, never decoded by the convention of backends/run.py,
+            # where retokenizing the transcript gives the same tokens; the tiny model's random
+            # bytes do not always survive retokenization, real text does: see test_chat_session).
+            turn1_tokens = chat.session.engine.tokenize(PROMPT) + list(turn1.tokens)
+            common = next((i for i, (a, b) in enumerate(zip(turn1_tokens, document)) if a != b), len(turn1_tokens))
             assert turn2.stats.prompt_tokens == len(document)
-            assert turn2.stats.prompt_cached == turn1_tokens - 1
-            assert len(document) - turn1_tokens < 16
-
+            assert turn2.stats.prompt_cached == min(common, len(turn1_tokens) - 1) > 0
     asyncio.run(scenario())
 
 

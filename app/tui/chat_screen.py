@@ -264,6 +264,9 @@ class ChatScreen(Screen):
             self._note(f"generation failed: {done.error}", "error")
         elif done.reason == "cancelled":
             self._note("stopped; the answer so far is kept", "info")
+        if self.session is not None and self.session.dropped:
+            self._note(f"the context is full: the oldest {self.session.dropped} messages were left out of "
+                       "the model's view (Ctrl+N starts a new chat)", "info")
         self._save_conversation()
 
     def on_turn_failed(self, message: TurnFailed) -> None:

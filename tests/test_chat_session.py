@@ -1,0 +1,158 @@
+"""Chat sessions without the UI: chat templates in the sandbox, plain completion, settings, saved chats."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from app.chat_command import settings_from_flags
+from app.chat_template import ChatMessage, ChatTemplateError, render_chat
+from app.cli import build_parser
+from app.conversations import Conversation, ConversationStore
+from app.session import ChatSession, TurnRequest
+from app.settings import Settings, load_settings, save_settings
+from backends.engine import Engine, EngineConfig, StrategyOptions
+from backends.events import Done
+from backends.sampling import GenParams
+from gguf_factory import write_llama_gguf
+from models.files import write_atomic
+
+# A Gemma-style template: BOS written by the template, turns marked with plain-text tags.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>\n"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_template_renders_like_transformers() -> None:
+    text = render_chat(TEMPLATE, [ChatMessage("system", "be brief"), ChatMessage("user", " hi ")], "<s>", "</s>")
+    assert text == "<s><system>be brief</system>\n<user>hi</user>\n<assistant>"
+
+
+@pytest.mark.parametrize("template, problem", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "failed"),  # sandbox escape attempt
+    ("{{ messages.append(1) }}", "failed"),  # the immutable sandbox refuses mutation
+    ("{% if %}", "does not parse"),
+    ("{{ raise_exception('only user and assistant roles') }}", "refused"),
+])
+def test_template_errors_are_clear(template: str, problem: str) -> None:
+    with pytest.raises(ChatTemplateError, match=problem):
+        render_chat(template, [ChatMessage("user", "hi")], "<s>", "</s>")
+
+
+def _run(session: ChatSession, text: str, strategy: str = "ar", n: int = 12) -> Done:
+    done = None
+    for ev in session.turn(text, TurnRequest(strategy, GenParams(max_tokens=n), StrategyOptions())):
+        if isinstance(ev, Done):
+            done = ev
+    assert done is not None
+    return done
+
+
+def test_chat_template_session_reuses_the_cache(tmp_path) -> None:
+    model = write_llama_gguf(tmp_path / "chat.gguf", chat_template=TEMPLATE)
+    engine = Engine(EngineConfig(target=model, n_ctx=1024, threads=1))
+    try:
+        session = ChatSession(engine, system_prompt="be brief")
+        assert not session.plain
+        tokens = session.prompt_tokens("hello")
+        bos = engine.target_model.token_text(1)
+        expected = engine.target_model.tokenize(
+            f"{bos}<system>be brief</system>\n<user>hello</user>\n<assistant>", add_special=False, parse_special=True)
+        assert tokens == expected and tokens.count(1) == 1  # one BOS: the template's
+        first = _run(session, "hello")
+        second = _run(session, "more")
+        assert [m.role for m in session.messages] == ["user", "assistant"] * 2
+        assert session.messages[1].content == first.text
+        assert second.stats.prompt_cached > first.stats.prompt_tokens // 2
+    finally:
+        engine.close()
+
+
+def test_plain_session_first_turn_is_the_raw_prompt(tiny_engine) -> None:
+    session = ChatSession(tiny_engine)
+    assert session.plain
+    assert session.prompt_tokens("the cat") == tiny_engine.tokenize("the cat")
+    done = _run(session, "the cat")
+    # Later messages start on a new line of the same document.
+    assert session.prompt_tokens("a dog") == tiny_engine.tokenize("the cat" + done.text + "\na dog")
+
+
+def test_chat_flags_override_only_what_was_given() -> None:
+    saved = Settings(target="saved.gguf", draft="saved-draft.gguf", strategy="lookup",
+                     params=GenParams(max_tokens=300, temperature=0.7))
+    args = build_parser().parse_args(["chat", "-s", "lookahead", "-W", "5", "--temp", "0"])
+    got = settings_from_flags(saved, args)
+    assert (got.strategy, got.options.lookahead.window, got.params.temperature) == ("lookahead", 5, 0.0)
+    assert (got.target, got.draft, got.params.max_tokens) == ("saved.gguf", "saved-draft.gguf", 300)
+    args = build_parser().parse_args(["chat", "-m", "new.gguf", "--draft-max", "3", "--no-adaptive"])
+    got = settings_from_flags(saved, args)
+    assert (got.target, got.draft) == ("new.gguf", None)  # a new target drops the old target's draft
+    assert (got.options.sps.draft_max, got.options.lookup.draft_max, got.options.sps.adaptive) == (3, 3, False)
+
+
+def test_settings_round_trip_and_bad_file(tmp_path) -> None:
+    path = tmp_path / "settings.json"
+    settings = Settings(target="t.gguf", strategy="tree", params=GenParams(seed=7, stop=("END",)))
+    save_settings(settings, path)
+    assert load_settings(path) == (settings, None)
+    path.write_text(json.dumps({"strategy": "warp"}))
+    loaded, warning = load_settings(path)
+    assert loaded == Settings() and "warp" in warning
+    path.write_text(json.dumps({"params": {"temperature": "hot"}}))
+    assert "temperature" in load_settings(path)[1]
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "c.json"
+    write_atomic(path, "old")
+
+    def fail(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        write_atomic(path, "new" * 1000)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # no temporary file left behind
+
+
+def test_conversation_store_lists_newest_first_and_skips_broken_files(tmp_path) -> None:
+    store = ConversationStore(tmp_path)
+    for i, when in enumerate(["2026-01-01T00:00:00+00:00", "2026-02-01T00:00:00+00:00"]):
+        store.save(Conversation(f"c{i}", when, "m.gguf", "", (ChatMessage("user", f"question {i}"),
+                                                              ChatMessage("assistant", "answer"))))
+    (tmp_path / "broken.json").write_text("{ not json")
+    listed = store.list()
+    assert [c.id for c in listed] == ["c1", "c0"]
+    assert listed[0].title == "question 1"
+    assert store.load("c0").messages[1].content == "answer"
+
+
+@pytest.mark.demo
+def test_second_turn_decodes_only_the_new_message_on_gemma(demo_engine) -> None:
+    session = ChatSession(demo_engine)
+    first = _run(session, "The three primary colours are", "sps", 24)
+    second = _run(session, "Another fact:", "lookahead", 16)
+    new_tokens = len(demo_engine.target_model.tokenize("\nAnother fact:", add_special=False))
+    turn1_tokens = first.stats.prompt_tokens + first.stats.generated_tokens
+    assert second.stats.prompt_tokens == turn1_tokens + new_tokens
+    assert second.stats.prompt_cached == turn1_tokens - 1  # all of turn 1 was reused
+
+
+def test_old_turns_leave_the_prompt_when_the_context_is_full(tiny) -> None:
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=160, threads=1))
+    try:
+        session = ChatSession(engine)
+        for i in range(6):
+            done = _run(session, f"turn {i}", n=40)
+            assert done.reason == "length"
+            assert done.stats.prompt_tokens + 40 <= engine.target.n_ctx  # llama.cpp may round n_ctx up
+        assert session.dropped >= 2 and session.dropped % 2 == 0
+        assert len(session.messages) == 12  # the transcript keeps everything
+        with pytest.raises(Exception, match="context"):
+            _run(session, "word " * 400)  # a single message too long for the context
+    finally:
+        engine.close()
