@@ -312,7 +312,11 @@ QUANT_TYPES: dict[str, int] = {
 
 
 def quantize(src: str | Path, dst: str | Path, quant: str, threads: int | None = None) -> None:
-    """Write `dst` as `src` re-quantized to `quant` (llama_model_quantize, requantize allowed)."""
+    """Write `dst` as `src` re-quantized to `quant` (llama_model_quantize, requantize allowed).
+
+    Written under a temporary name and renamed into place when whole, so an
+    interrupted run never leaves a truncated model behind.
+    """
     key = quant.upper()
     if key not in QUANT_TYPES:
         raise ModelError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_TYPES)}")
@@ -322,6 +326,12 @@ def quantize(src: str | Path, dst: str | Path, quant: str, threads: int | None =
     params.ftype = QUANT_TYPES[key]
     params.allow_requantize = True
     params.nthread = threads or default_threads()
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise ModelError(f"quantizing {src} to {key} failed (code {rc})")
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.part")
+    try:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise ModelError(f"quantizing {src} to {key} failed (code {rc})")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)

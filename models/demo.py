@@ -60,12 +60,7 @@ def _assemble(dst: Path) -> None:
 def _derive(src: Path, dst: Path, quant: str) -> None:
     from backends.llama import quantize  # llama.cpp is only needed when building
 
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.part")
-    try:
-        quantize(src, tmp, quant)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    quantize(src, dst, quant)
 
 
 def ensure_demo_pair(progress: Callable[[str], None] = lambda _msg: None) -> DemoPair:
