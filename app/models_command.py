@@ -12,17 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from models.catalog import CatalogModel, load_catalog
 from models.compat import PairCheck, check_pair
-from models.demo import DEMO_DRAFT, DEMO_TARGET, demo_pair_paths
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
-from models.hub import Progress, cached_ggufs, pull
+from models.hub import Progress, pull
 from models.paths import data_dir
-from models.resolve import HF_PREFIX, hub_models, model_header, resolve_model
+from models.resolve import hub_models, model_header, resolve_model
+from models.local import drafts_for, local_models
 from models.store import ModelStore, StoredModel
 
 EXIT_INCOMPATIBLE = 1
@@ -125,42 +124,6 @@ def _pull(args: argparse.Namespace) -> int:
 
 # --- list -----------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Local:
-    name: str
-    path: Path
-    info: GGUFInfo | None
-    problem: str | None
-
-
-def local_models() -> tuple[list[_Local], str | None]:
-    """Store entries, the demo pair (if built) and GGUF files in the HF cache, each once; plus a store warning."""
-    store = ModelStore()
-    named: list[tuple[str, Path]] = [(m.alias, m.path) for m in store.all().values()]
-    demo = demo_pair_paths()
-    named += [(DEMO_TARGET, demo.target), (DEMO_DRAFT, demo.draft)]
-    named += [(f"{HF_PREFIX}{f.repo}:{f.filename}", f.path) for f in cached_ggufs() if f.path is not None]
-    seen: set[Path] = set()
-    out: list[_Local] = []
-    for name, path in named:
-        if not path.exists() or path.resolve() in seen:
-            continue
-        seen.add(path.resolve())
-        try:
-            out.append(_Local(name, path, validate_gguf(path), None))
-        except ModelError as e:
-            out.append(_Local(name, path, None, str(e)))
-    return out, store.warning
-
-
-def _drafts_for(target: _Local, models: list[_Local]) -> list[str]:
-    """Smaller models that can speculate for `target` (llama.cpp's compatibility rules)."""
-    t = target.info
-    assert t is not None
-    return [d.name for d in models
-            if d is not target and d.info is not None and d.info.size_bytes < t.size_bytes and check_pair(t, d.info).ok]
-
-
 def _list(args: argparse.Namespace) -> int:
     models, warning = local_models()
     if warning:
@@ -176,7 +139,7 @@ def _list(args: argparse.Namespace) -> int:
             continue
         print(f"{m.name:<{width}}  {_size(m.info.size_bytes):>9}  {m.info.architecture:<10} "
               f"{m.info.quantization or '?':<8} {m.path}")
-    pairs = [(m.name, _drafts_for(m, models)) for m in models if m.info is not None]
+    pairs = [(m.name, drafts_for(m, models)) for m in models if m.info is not None]
     pairs = [(t, ds) for t, ds in pairs if ds]
     print("\npairs (target <- drafts that can speculate for it):")
     for target, drafts in pairs:

@@ -19,13 +19,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, ProgressBar, Static
+from textual.widgets import Footer, Header, Input, ProgressBar
 
 from app.chat_template import ChatTemplateError
 from app.conversations import Conversation, ConversationStore, new_conversation_id, now_iso
 from app.session import ChatSession, TurnRequest, measure_plain_decoding
 from app.settings import CHAT_N_SEQ_MAX, Settings
 from app.tui.history_screen import HistoryScreen
+from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
 from app.tui.stats_bar import StatsBar, strategy_label
 from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
@@ -83,6 +84,7 @@ class ChatScreen(Screen):
         Binding("f3", "toggle_view", "Spec view"),
         Binding("f4", "settings", "Settings"),
         Binding("f5", "history", "Chats"),
+        Binding("f6", "models", "Models"),
         Binding("ctrl+n", "new_chat", "New chat"),
     ]
 
@@ -132,6 +134,8 @@ class ChatScreen(Screen):
     def _welcome_choice(self, choice: str | None) -> None:
         if choice == "demo":
             self._change_settings(replace(self.settings, target="demo", draft="demo-draft"))
+        elif choice == "models":
+            self.action_models()
         else:
             self.action_settings()
 
@@ -332,6 +336,15 @@ class ChatScreen(Screen):
         if not self._available(new.strategy):
             self.notify(f"'{new.strategy}' needs a draft model or fewer sequences; set one in Settings (F4)",
                         severity="warning")
+
+    def action_models(self) -> None:
+        self.app.push_screen(ModelsScreen(), self._models_chosen)
+
+    def _models_chosen(self, pair: tuple[str, str | None] | None) -> None:
+        if pair is not None:
+            target, draft = pair
+            strategy = self.settings.strategy if draft or self.settings.strategy not in NEEDS_DRAFT else "lookup"
+            self._change_settings(replace(self.settings, target=target, draft=draft, strategy=strategy))
 
     def action_new_chat(self) -> None:
         if self.generating:

@@ -1,0 +1,203 @@
+"""The models screen: local models, the catalog, downloads with progress, and pairing.
+
+Pick a target among the local models and the drafts list shows every other
+local model: those that can speculate for it (llama.cpp's rules,
+models.compat) selectable, the others greyed out with the reason. Catalog
+entries download into the Hugging Face cache (models.hub.pull) in a thread
+worker; the progress bar follows the bytes, Escape cancels and keeps the
+partial file for the next pull to resume.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, OptionList, ProgressBar, Static
+from textual.widgets.option_list import Option
+
+from models.catalog import load_catalog
+from models.compat import check_pair
+from models.errors import ModelError
+from models.hub import Cancelled, Progress, pull
+from models.local import LocalModel, local_models
+from models.resolve import hub_models
+
+NO_DRAFT = "\0no-draft"  # the drafts list's first row: chat with the target alone
+
+
+def _gb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB"
+
+
+class PullProgress(Message):
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+
+class PullEnded(Message):
+    def __init__(self, error: str | None) -> None:
+        super().__init__()
+        self.error = error
+
+
+class ModelsScreen(Screen[tuple[str, str | None] | None]):
+    """Dismissed with (target, draft or None) to chat with, or None."""
+
+    BINDINGS = [
+        Binding("escape", "back", "Back / cancel download"),
+        Binding("p", "pull", "Pull selected catalog entry"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local: list[LocalModel] = []
+        self.target: LocalModel | None = None
+        self.pulling = False
+        self.last_progress: Progress | None = None
+        self._cancel = threading.Event()
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="models-lists"):
+            with Vertical():
+                yield Static("Local models · Enter: use as target", classes="title")
+                yield OptionList(id="local")
+            with Vertical():
+                yield Static("Drafts for the target · Enter: chat with this pair", classes="title", id="drafts-title")
+                yield OptionList(id="drafts")
+        yield Static("Catalog · Enter or p: download into the Hugging Face cache", classes="title")
+        yield OptionList(id="catalog")
+        yield Static("", id="pull-status")
+        yield ProgressBar(total=None, show_eta=True, id="pull-progress")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#pull-progress").display = False
+        catalog = self.query_one("#catalog", OptionList)
+        try:
+            entries = load_catalog()
+        except ModelError as e:
+            self._status(str(e))
+            return
+        for pair in entries.pairs:
+            ram = pair.ram_gb()
+            catalog.add_option(Option(
+                f"{pair.name}: {pair.target.alias} {pair.target.default_quant} + {pair.draft.alias} "
+                f"{pair.draft.default_quant}" + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
+                id=pair.name,
+            ))
+        self.refresh_local()
+
+    def refresh_local(self) -> None:
+        self.local, warning = local_models()
+        options = self.query_one("#local", OptionList)
+        options.clear_options()
+        for i, m in enumerate(self.local):
+            if m.info is None:
+                options.add_option(Option(f"{m.name} · unusable: {m.problem}", id=str(i), disabled=True))
+            else:
+                options.add_option(Option(
+                    f"{m.name} · {_gb(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}",
+                    id=str(i)))
+        if not self.local:
+            self._status("no local models yet: download one from the catalog below")
+        if warning:
+            self.notify(warning, severity="warning")
+
+    def _status(self, text: str) -> None:
+        self.query_one("#pull-status", Static).update(text)
+
+    # -- pairing --------------------------------------------------------------
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        list_id, option_id = event.option_list.id, event.option.id
+        if list_id == "local" and option_id is not None:
+            self.show_drafts(self.local[int(option_id)])
+        elif list_id == "drafts" and self.target is not None and option_id is not None:
+            draft = None if option_id == NO_DRAFT else self.local[int(option_id)].name
+            self.dismiss((self.target.name, draft))
+        elif list_id == "catalog" and option_id is not None:
+            self.start_pull(option_id)
+
+    def show_drafts(self, target: LocalModel) -> None:
+        """Every other usable local model: compatible ones selectable, the rest greyed out with the reason."""
+        assert target.info is not None
+        self.target = target
+        self.query_one("#drafts-title", Static).update(f"Drafts for {target.name} · Enter: chat with this pair")
+        drafts = self.query_one("#drafts", OptionList)
+        drafts.clear_options()
+        drafts.add_option(Option("(no draft: ar, lookahead and lookup only)", id=NO_DRAFT))
+        for i, m in enumerate(self.local):
+            if m is target or m.info is None:
+                continue
+            verdict = check_pair(target.info, m.info)
+            label = f"{m.name} · {_gb(m.info.size_bytes)} {m.info.quantization or ''}"
+            if verdict.ok:
+                drafts.add_option(Option(label, id=str(i)))
+            else:
+                drafts.add_option(Option(f"{label} — {verdict.problems[0]}", id=str(i), disabled=True))
+        drafts.focus()
+
+    # -- downloads ------------------------------------------------------------
+
+    def action_pull(self) -> None:
+        catalog = self.query_one("#catalog", OptionList)
+        if catalog.highlighted is not None:
+            option_id = catalog.get_option_at_index(catalog.highlighted).id
+            if option_id is not None:
+                self.start_pull(option_id)
+
+    def start_pull(self, ref: str) -> None:
+        if self.pulling:
+            self.notify("a download is running; Escape cancels it", severity="warning")
+            return
+        self.pulling = True
+        self._cancel.clear()
+        bar = self.query_one("#pull-progress", ProgressBar)
+        bar.update(total=None, progress=0)
+        bar.display = True
+        self._status(f"pulling {ref}…")
+        self._pull_worker(ref)
+
+    @work(thread=True, group="pull", exit_on_error=False)
+    def _pull_worker(self, ref: str) -> None:
+        try:
+            models = hub_models(ref)
+            if not models:
+                raise ModelError(f"{ref}: not in the catalog")
+            for model in models:
+                pull(model, progress=lambda p: self.post_message(PullProgress(p)), cancel=self._cancel)
+            self.post_message(PullEnded(None))
+        except Cancelled:
+            self.post_message(PullEnded("cancelled; the partial download is kept and the next pull resumes it"))
+        except Exception as e:  # one line in the screen; the app stays open
+            self.post_message(PullEnded(str(e) if isinstance(e, (ModelError, OSError)) else f"{type(e).__name__}: {e}"))
+
+    def on_pull_progress(self, message: PullProgress) -> None:
+        p = self.last_progress = message.progress
+        bar = self.query_one("#pull-progress", ProgressBar)
+        bar.update(total=p.total, progress=p.done)
+        total = f" of {_gb(p.total)}" if p.total else ""
+        self._status(f"{p.filename}: {_gb(p.done)}{total}")
+
+    def on_pull_ended(self, message: PullEnded) -> None:
+        self.pulling = False
+        self.query_one("#pull-progress").display = False
+        self._status(message.error or "download complete")
+        if message.error:
+            self.notify(message.error, severity="error" if "cancelled" not in message.error else "warning")
+        self.refresh_local()
+
+    def action_back(self) -> None:
+        if self.pulling:
+            self._cancel.set()
+            self._status("cancelling…")
+        else:
+            self.dismiss(None)

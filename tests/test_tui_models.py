@@ -1,0 +1,68 @@
+"""The chat app's models screen against a local Hub server: download a pair, pick a target, see its drafts."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from hub_server import catalog_hub, hub, hub_ggufs  # noqa: F401  (fixtures used by name)
+from hub_server import OTHER_REPO, FakeHub
+from textual.widgets import OptionList
+
+from app.cli import main
+from app.tui.models_screen import ModelsScreen
+from tui_helpers import app_for, send, tiny_settings, wait_for, wait_loaded
+
+
+def _labels(options: OptionList) -> dict[str, bool]:
+    """Option text -> selectable."""
+    return {str(options.get_option_at_index(i).prompt): not options.get_option_at_index(i).disabled
+            for i in range(options.option_count)}
+
+
+def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, capsys) -> None:
+    assert main(["models", "pull", f"hf:{OTHER_REPO}"]) == 0  # a local model with another vocabulary
+    capsys.readouterr()
+
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_loaded(pilot)
+            await pilot.press("f6")
+            screen = app.screen
+            assert isinstance(screen, ModelsScreen)
+            catalog = screen.query_one("#catalog", OptionList)
+            catalog.focus()
+            catalog.highlighted = next(i for i in range(catalog.option_count)
+                                       if catalog.get_option_at_index(i).id == "qwen2.5")
+            await pilot.press("p")
+            await wait_for(pilot, lambda: not screen.pulling, "the download")
+            assert screen.last_progress is not None
+            assert screen.last_progress.done == screen.last_progress.total > 1_000_000  # reached 100%
+            names = [m.name for m in screen.local]
+            assert {"qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct", f"hf:{OTHER_REPO}"} <= set(names)
+
+            local = screen.query_one("#local", OptionList)
+            local.focus()
+            local.highlighted = names.index("qwen2.5-7b-instruct")
+            await pilot.press("enter")
+            drafts = _labels(screen.query_one("#drafts", OptionList))
+            compatible = [label for label, ok in drafts.items() if label.startswith("qwen2.5-0.5b-instruct")]
+            incompatible = [label for label, ok in drafts.items() if label.startswith(f"hf:{OTHER_REPO}")]
+            assert compatible and drafts[compatible[0]]
+            assert incompatible and not drafts[incompatible[0]] and "differs" in incompatible[0]
+
+            options = screen.query_one("#drafts", OptionList)
+            options.highlighted = next(i for i in range(options.option_count)
+                                       if str(options.get_option_at_index(i).prompt).startswith("qwen2.5-0.5b"))
+            await pilot.press("enter")
+            chat = app.chat
+            assert app.screen is chat
+            assert (chat.settings.target, chat.settings.draft) == ("qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct")
+            await wait_for(pilot, lambda: chat.session is not None and not chat.loading, "the pulled pair")
+            assert chat.engine.config.draft is not None
+            chat.settings = replace(chat.settings, strategy="sps")
+            await send(pilot, "hello")
+            assert chat.last_done.reason in ("length", "eos") and chat.last_done.stats.strategy == "sps"
+
+    asyncio.run(scenario())
