@@ -352,6 +352,7 @@ class ChatScreen(Screen):
             return
         self.transcript.remove_children()
         self.conversation_id = new_conversation_id()
+        self.stats.show(state="new chat")
         if self.session is not None:
             self.session.system_prompt = self.settings.system_prompt
             self.session.reset()
