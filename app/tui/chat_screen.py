@@ -263,7 +263,9 @@ class ChatScreen(Screen):
         if stats.strategy == "ar" and done.reason != "error" and stats.generated_tokens >= 8:
             self._plain_speeds.append(stats.tokens_per_second)
             self.stats.show(baseline=statistics.median(self._plain_speeds))
-        self.stats.show(live=LiveStats.from_stats(stats), state=f"done: {done.reason}")
+        # A turn stopped before its first token has no figures worth showing.
+        live = LiveStats.from_stats(stats) if stats.generated_tokens else None
+        self.stats.show(live=live, state=f"done: {done.reason}")
         if done.reason == "error":
             self._note(f"generation failed: {done.error}", "error")
         elif done.reason == "cancelled":

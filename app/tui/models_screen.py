@@ -106,7 +106,10 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 options.add_option(Option(
                     f"{m.name} · {_gb(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}",
                     id=str(i)))
-        if not self.local:
+        if self.local:
+            options.highlighted = 0
+            options.focus()
+        else:
             self._status("no local models yet: download one from the catalog below")
         if warning:
             self.notify(warning, severity="warning")
@@ -143,6 +146,9 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 drafts.add_option(Option(label, id=str(i)))
             else:
                 drafts.add_option(Option(f"{label} — {verdict.problems[0]}", id=str(i), disabled=True))
+        # The likely choice first: the first compatible draft, else chatting without one.
+        enabled = [i for i in range(drafts.option_count) if not drafts.get_option_at_index(i).disabled]
+        drafts.highlighted = enabled[1] if len(enabled) > 1 else 0
         drafts.focus()
 
     # -- downloads ------------------------------------------------------------
