@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app.prompt_sets import BenchPrompt
-from backends.cost import BatchCost, best_chain_speedup, measure_batch_cost, predicted_speedup
+from backends.cost import BatchCost, best_chain_speedup, measure_device_cost, predicted_speedup
 from backends.engine import Engine, StrategyOptions
 from backends.events import Done
 from backends.sampling import GenParams
@@ -144,15 +144,11 @@ def run_bench(
 
 def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[BatchCost, float]:
     """The target's batch cost curve, and one draft token's cost relative to one target token."""
-    cost = measure_batch_cost(engine.target, context, k_max)
-    draft_cost = 0.0
-    if engine.draft is not None:
-        draft_curve = measure_batch_cost(engine.draft, context, 1, repeats=5)
-        draft_cost = draft_curve.seconds[0] / cost.seconds[0]
+    measured = measure_device_cost(engine.target, engine.draft, context, k_max)
     engine.target.reset()
     if engine.draft is not None:
         engine.draft.reset()
-    return cost, draft_cost
+    return measured.batch, measured.draft
 
 
 def format_table(rows: list[dict[str, object]]) -> str:

@@ -16,11 +16,14 @@ from app.prompt_sets import load_prompt_set
 from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, StrategyOptions, n_seq_needed
 from backends.llama import default_threads
 from backends.sampling import GenParams
+from backends.strategies.tree import TreeConfig
 
 SWEEP_SPS = [(k, p) for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]
 SWEEP_LOOKAHEAD = [(2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15)]
 SWEEP_LOOKUP = [(4, 3), (10, 3), (16, 3), (10, 2)]
-SWEEP_TREE = [(3, 2, 6), (5, 2, 10), (4, 3, 12), (6, 2, 12)]
+# (depth, top_k, nodes, shape): nodes "auto" picks M per step from the measured cost curve.
+SWEEP_TREE = [(3, 2, 6, "dynamic"), (5, 2, 10, "dynamic"), (4, 3, 12, "dynamic"), (6, 2, 12, "dynamic"),
+              (4, 2, "auto", "dynamic"), (5, 3, "auto", "dynamic"), (6, 4, 12, "static"), (8, 4, "auto", "static")]
 
 
 def _label(name: str, options: StrategyOptions) -> str:
@@ -33,7 +36,9 @@ def _label(name: str, options: StrategyOptions) -> str:
         return f"lookup K={options.lookup.draft_max} n<={options.lookup.ngram_max}"
     if name == "tree":
         t = options.tree
-        return f"tree D={t.depth} k={t.top_k} M={t.nodes}"
+        shape = " static" if t.shape == "static" else ""
+        split = f" ps={t.p_split}" if t.shape == "static" and t.p_split != TreeConfig.p_split else ""
+        return f"tree{shape} D={t.depth} k={t.top_k} M={t.nodes}{split}"
     return name
 
 
@@ -49,7 +54,8 @@ def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> li
             grid += [replace(options, lookahead=replace(options.lookahead, window=w, ngram=n, guesses=g))
                      for w, n, g in SWEEP_LOOKAHEAD]
         elif sweep and name == "tree":
-            grid += [replace(options, tree=replace(options.tree, depth=d, top_k=k, nodes=m)) for d, k, m in SWEEP_TREE]
+            grid += [replace(options, tree=replace(options.tree, depth=d, top_k=k, nodes=m, shape=shape))
+                     for d, k, m, shape in SWEEP_TREE]
         elif sweep and name == "lookup":
             grid += [replace(options, lookup=replace(options.lookup, draft_max=k, ngram_max=n)) for k, n in SWEEP_LOOKUP]
         seen = set()

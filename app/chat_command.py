@@ -26,7 +26,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "seed": ("params.seed",),
     "stop": ("params.stop",),
     "draft_max": ("options.sps.draft_max", "options.lookup.draft_max"),
-    "draft_p_min": ("options.sps.p_min",),
+    "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
     "lookahead_window": ("options.lookahead.window",),
     "lookahead_ngram": ("options.lookahead.ngram",),
     "lookahead_guesses": ("options.lookahead.guesses",),

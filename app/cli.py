@@ -1,4 +1,5 @@
-"""`specchat` console script: headless generation (`run`) and the bundled demo (`demo`).
+"""`specchat` console script: the chat app (`chat`, the default), headless generation
+(`run`), the bundled demo (`demo`) and the benchmark (`bench`).
 
 Text goes to stdout; progress, stats and errors to stderr. User errors (a
 missing or malformed model, an incompatible pair, a bad flag, a prompt that
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
+from app.models_command import add_models_parser, run_models
 from app.render import TextView, event_json, stats_lines
 from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
 from backends.events import Done
@@ -24,7 +26,7 @@ from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
-from backends.strategies.tree import TreeConfig
+from backends.strategies.tree import AUTO, SHAPES, TreeConfig
 from models.errors import ModelError
 from models.resolve import resolve_model
 
@@ -49,7 +51,7 @@ class UserError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER, f"specchat: error: {message} (see 'specchat {self.prog.split()[-1]} --help')\n")
+        self.exit(EXIT_USER, f"specchat: error: {message} (see '{self.prog} --help')\n")
 
 
 def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> None:
@@ -66,7 +68,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
                    help=f"K: most tokens proposed per step (default: {SpsConfig.draft_max} for sps, "
                         f"{LookupConfig.draft_max} for lookup)")
     s.add_argument("--draft-p-min", type=float, default=SpsConfig.p_min,
-                   help=f"stop drafting when the draft's top probability is below this (default: {SpsConfig.p_min})")
+                   help="sps and the static tree: stop drafting (a branch) when the draft's top probability is below "
+                        f"this (default: {SpsConfig.p_min})")
     s.add_argument("--no-adaptive", action="store_true", help="sps: keep K fixed instead of adapting it to acceptance")
     s.add_argument("-W", "--lookahead-window", type=int, default=LookaheadConfig.window,
                    help=f"lookahead: window width W (default: {LookaheadConfig.window})")
@@ -83,9 +86,17 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
     s.add_argument("--tree-depth", type=int, default=TreeConfig.depth,
                    help=f"tree: longest drafted path (default: {TreeConfig.depth})")
     s.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k,
-                   help=f"tree: children per expanded node and nodes expanded per depth (default: {TreeConfig.top_k})")
-    s.add_argument("--tree-nodes", type=int, default=TreeConfig.nodes,
-                   help=f"tree: nodes verified per step, M (default: {TreeConfig.nodes})")
+                   help="tree: children per expanded node and nodes expanded per depth; static shape: most "
+                        f"branches (default: {TreeConfig.top_k})")
+    s.add_argument("--tree-nodes", type=_tree_nodes, default=TreeConfig.nodes,
+                   help="tree: nodes verified per step, M, or 'auto': chosen every step from this device's "
+                        f"measured batch cost curve (default: {TreeConfig.nodes})")
+    s.add_argument("--tree-shape", choices=SHAPES, default=TreeConfig.shape,
+                   help="tree: dynamic = EAGLE-2's expand-and-rerank tree; static = llama.cpp speculative.cpp's "
+                        f"branch splitting (default: {TreeConfig.shape})")
+    s.add_argument("--draft-p-split", type=float, default=TreeConfig.p_split,
+                   help="tree, static shape: a further draft candidate starts a new branch above this probability "
+                        f"(default: {TreeConfig.p_split})")
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
@@ -102,6 +113,16 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
     o.add_argument("--stats", action="store_true", help="print generation stats to stderr")
 
 
+def _tree_nodes(value: str) -> int | str:
+    """--tree-nodes: a count, or 'auto'."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specchat", description="Local LLM chat and generation, faster with speculative decoding.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
@@ -113,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'demo-draft'")
     _add_strategy_flag(run)
     _add_generation_flags(run)
+
+    chat = sub.add_parser("chat", help="open the chat app (the default with no command)")
+    chat.add_argument("-m", "--model", help="target model: .gguf path, or 'demo' (default: the saved one)")
+    chat.add_argument("-md", "--model-draft", help="draft model: .gguf path, or 'demo-draft'")
+    chat.add_argument("--system", help="system prompt")
+    _add_strategy_flag(chat)
+    _add_generation_flags(chat, output=False)
+    # Only the flags given on the command line override the saved settings.
+    chat.set_defaults(**{a.dest: None for a in chat._actions if a.dest != "help"})
 
     demo = sub.add_parser("demo", help="build (once) and run the bundled Gemma 3 270M demo pair")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt (default: {DEMO_PROMPT!r})")
@@ -132,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")
     bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
     _add_generation_flags(bench, output=False)
+    add_models_parser(sub, _Parser)
     return parser
 
 
@@ -184,7 +215,8 @@ def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOp
             lookahead=LookaheadConfig(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses,
                                       args.lookahead_seed_prompt),
             lookup=LookupConfig(ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, **k),
-            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_nodes),
+            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_nodes, args.tree_shape, args.draft_p_split,
+                            args.draft_p_min),
         )
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -246,11 +278,12 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
     set_native_logging(args.debug)
     try:
+        if args.command in (None, "chat"):
+            from app.chat_command import chat
+
+            return chat(args)
         if args.command == "demo":
             if args.color is None:
                 args.color = True
@@ -263,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return bench(args, _params_and_options(args), resolve_model, _load_engine)
             except ValueError as e:  # bad prompt set, strategy list or plot dependency
                 raise UserError(str(e)) from None
+        if args.command == "models":
+            return run_models(args)
         return generate(args, args.model, args.model_draft)
     except (UserError, ModelError) as e:
         if args.debug:

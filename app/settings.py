@@ -83,7 +83,9 @@ def _from_dict(cls: type[T], data: Any) -> T:
         elif isinstance(current, tuple):
             value = tuple(value)
         elif current is not None and value is not None and not isinstance(value, type(current)):
-            if not (isinstance(current, float) and isinstance(value, int)):
+            # An int may stand for a float; a word for a number field that also takes one (tree nodes 'auto').
+            if not (isinstance(current, float) and isinstance(value, int)) and \
+                    not (isinstance(value, str) and "Literal" in str(f.type)):
                 raise ValueError(f"{f.name}: expected {type(current).__name__}, got {value!r}")
         values[f.name] = value
     return replace(default, **values)  # type: ignore[type-var]

@@ -81,7 +81,8 @@ def test_sweep_builds_distinct_settings() -> None:
     labels = [c.label for c in configs]
     assert labels[0] == "ar" and len(labels) == len(set(labels))
     assert any("W=15 N=5 G=15" in label for label in labels) and any("K=8" in label for label in labels)
-    assert sum(c.strategy == "tree" for c in configs) == 5
+    tree = [c.label for c in configs if c.strategy == "tree"]
+    assert len(tree) == 9 and any("static" in t for t in tree) and any("M=auto" in t for t in tree)
 
 
 def test_cost_model_matches_leviathan_formula() -> None:

@@ -16,6 +16,7 @@ from app.settings import Settings, load_settings, save_settings
 from backends.engine import Engine, EngineConfig, StrategyOptions
 from backends.events import Done
 from backends.sampling import GenParams
+from backends.strategies.tree import TreeConfig
 from gguf_factory import write_llama_gguf
 from models.files import write_atomic
 
@@ -95,7 +96,8 @@ def test_chat_flags_override_only_what_was_given() -> None:
 
 def test_settings_round_trip_and_bad_file(tmp_path) -> None:
     path = tmp_path / "settings.json"
-    settings = Settings(target="t.gguf", strategy="tree", params=GenParams(seed=7, stop=("END",)))
+    settings = Settings(target="t.gguf", strategy="tree", params=GenParams(seed=7, stop=("END",)),
+                        options=StrategyOptions(tree=TreeConfig(nodes="auto", shape="static")))
     save_settings(settings, path)
     assert load_settings(path) == (settings, None)
     path.write_text(json.dumps({"strategy": "warp"}))

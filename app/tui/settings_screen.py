@@ -43,6 +43,8 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("options.tree.depth", "tree: depth"),
     ("options.tree.top_k", "tree: top-k"),
     ("options.tree.nodes", "tree: nodes M"),
+    ("options.tree.shape", "tree: shape"),
+    ("options.tree.p_split", "tree: p_split"),
     ("system_prompt", "System prompt"),
     ("n_ctx", "Context size"),
     ("speculation_view", "Speculation view"),

@@ -1,55 +1,120 @@
 """`tree`: token-tree speculation with a draft model.
 
-The tree follows EAGLE-2's dynamic draft tree (Li et al. 2024, "EAGLE-2:
-Faster Inference of Language Models with Dynamic Draft Trees", section 4):
-at every depth the `top_k` nodes with the highest cumulative draft
-probability are expanded with their `top_k` most likely children, then all
-nodes are reranked and the best `nodes` (M) are verified. Cumulative
-probability only falls along a path, so the kept set is a tree.
+Two shapes of draft tree, one verifier. Both draft a list of `_Node`s (token,
+parent, depth, cumulative draft log-probability), parents before children;
+the same selection and the same verification consume it.
+
+- `dynamic` (default) follows EAGLE-2's dynamic draft tree (Li et al. 2024,
+  "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
+  section 4): at every depth the `top_k` nodes with the highest cumulative
+  draft probability are expanded with their `top_k` most likely children.
+- `static` follows llama.cpp's `examples/speculative/speculative.cpp` (its
+  n_seq_dft branches, `--draft-p-split`): drafting goes depth by depth; every
+  live branch is extended by its draft's top candidate, and each further
+  candidate whose draft probability exceeds `p_split` starts a new branch (a
+  copy of the parent branch's draft KV sequence) while there are fewer than
+  `top_k` branches (llama.cpp's n_seq_dft). A branch stops when its top
+  probability falls below `p_min` (common/speculative.cpp drafts while
+  p >= p_min), all stop at `depth` or when `nodes` tokens are drafted
+  (llama.cpp's n_draft bound on the target batch).
+
+Selection (EAGLE-2's rerank): all drafted nodes are ordered by cumulative
+probability and a prefix is verified. Cumulative probability only falls along
+a path, so every prefix is a tree. Its length M is `nodes`, or with
+`nodes="auto"` it is chosen at every step from the device's measured batch
+cost curve (backends.cost.best_tree_size): the M maximizing expected tokens
+(1 + the sum of the kept nodes' cumulative draft probabilities, EAGLE-2's
+estimate of the acceptance length) per unit of time (the step's draft
+forwards at the measured draft cost + T(M+1)/T(1)). Per step rather than once
+per run because the tree's confidence varies from step to step: a confident
+tree is worth a wide batch, a doubtful one is not; the curve itself is
+measured once per engine, lazily, at the first generation.
 
 Verification is SpecInfer's (Miao et al. 2024): the whole tree goes to the
 target in one batch, every root-to-leaf path under its own sequence id (a node
 belongs to the ids of all paths through it, as lookahead shares its input
 token), and the target walks it from the root: greedy, it follows the child
 equal to its argmax; sampling, it tries the node's children with the one-hot
-multi-candidate rule (the children are deterministic top-k picks), which
-keeps the target's distribution exactly. The accepted path's cells become
-sequence 0; every other branch's cells are dropped.
+multi-candidate rule (the children are deterministic picks in both shapes),
+which keeps the target's distribution exactly. The accepted path's cells
+become sequence 0; every other branch's cells are dropped.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import numpy as np
 
+from backends.cost import DeviceCost, best_tree_size, cached_device_cost
 from backends.events import Event
 from backends.kv import KvSequence
+from backends.llama import LlamaContext
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.strategies.base import drive, never
 from backends.strategies.branches import keep_branch, pick_among
 from backends.strategies.chain import chain_step
+from backends.strategies.sps import SpsConfig
+
+Shape = Literal["dynamic", "static"]
+SHAPES: tuple[Shape, ...] = ("dynamic", "static")
+AUTO = "auto"
+# The auto budget's cost curve covers batches of 1..AUTO_K_MAX, so it verifies at most AUTO_K_MAX - 1 nodes.
+AUTO_K_MAX = 16
 
 
 @dataclass(frozen=True)
 class TreeConfig:
     depth: int = 4  # D: longest path
-    top_k: int = 2  # children per expanded node, and nodes expanded per depth
-    nodes: int = 8  # M: nodes verified per step
+    # dynamic: children per expanded node, and nodes expanded per depth; static: most branches (n_seq_dft)
+    top_k: int = 2
+    nodes: int | Literal["auto"] = 8  # M: nodes verified per step, or chosen per step from the cost curve
+    shape: Shape = "dynamic"
+    p_split: float = 0.1  # static: a further candidate starts a branch above this (llama.cpp's default)
+    p_min: float = SpsConfig.p_min  # static: a branch stops below this top probability (one flag with sps)
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.nodes < 1:
-            raise ValueError("tree depth, top-k and nodes must be at least 1")
+        if self.depth < 1 or self.top_k < 1 or (self.nodes != AUTO and (not isinstance(self.nodes, int)
+                                                                         or self.nodes < 1)):
+            raise ValueError("tree depth, top-k and nodes must be at least 1 (nodes may be 'auto')")
+        if self.shape not in SHAPES:
+            raise ValueError(f"tree shape must be one of {', '.join(SHAPES)}")
+        if not 0.0 <= self.p_split <= 1.0:
+            raise ValueError("--draft-p-split must be in [0, 1]")
+        if not 0.0 <= self.p_min < 1.0:
+            raise ValueError("--draft-p-min must be in [0, 1)")
+
+    @property
+    def auto(self) -> bool:
+        return self.nodes == AUTO
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Most nodes one step drafts: the candidates selection chooses from."""
+        if self.shape == "static":
+            # At most top_k branches, one node each per depth; a fixed budget stops drafting at M.
+            full = self.depth * self.top_k
+            return full if self.auto else min(full, self.nodes)  # type: ignore[type-var]
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes one step verifies."""
+        return min(self.drafted_nodes, AUTO_K_MAX - 1 if self.auto else self.nodes)  # type: ignore[type-var]
 
     @property
     def draft_seqs(self) -> int:
-        return 1 + self.top_k * self.depth
+        """Sequence 0 and one scratch sequence per expanded node (dynamic) or per branch (static)."""
+        return 1 + self.top_k * (1 if self.shape == "static" else self.depth)
 
     @property
     def target_seqs(self) -> int:
-        return 1 + self.nodes
+        """Sequence 0 and one per root-to-leaf path; a static tree has a leaf per branch at most."""
+        leaves = min(self.max_nodes, self.top_k) if self.shape == "static" else self.max_nodes
+        return 1 + leaves
 
 
 @dataclass
@@ -58,6 +123,15 @@ class _Node:
     parent: int  # index in the node list, -1 for a child of the root
     depth: int  # 1 for children of the root
     logp: float  # cumulative draft log-probability
+
+
+@dataclass
+class _Branch:
+    """A static tree's live branch: its last node, the draft sequence holding its path, the draft's next logits."""
+
+    leaf: int  # -1: the root
+    seq: int
+    logits: np.ndarray
 
 
 def _top_log_probs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -72,6 +146,23 @@ def _top_log_probs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(logits[i]) - log_z) for i in ids]
 
 
+class _Scratch:
+    """The draft context's scratch sequences 1..: forked from a path's sequence, all dropped after drafting."""
+
+    def __init__(self, ctx: LlamaContext) -> None:
+        self.ctx = ctx
+        self.used = 0
+
+    def fork(self, src: int) -> int:
+        self.used += 1
+        self.ctx.seq_cp(src, self.used, -1, -1)
+        return self.used
+
+    def release(self) -> None:
+        for seq in range(1, self.used + 1):
+            self.ctx.seq_rm(seq, -1, -1)
+
+
 class TreeSpeculation:
     name = "tree"
 
@@ -83,49 +174,97 @@ class TreeSpeculation:
         self.draft = draft
         self.config = config
         self.draft_forwards = 0  # draft decode calls, for the cost model (backends.cost)
+        self.cost: DeviceCost | None = None  # measured at the first generation when nodes="auto"
 
-    def _draft_tree(self, context: list[int], budget: int) -> list[_Node]:
-        """EAGLE-2's expand-then-rerank, on the draft model; returns the kept nodes, parents first."""
-        cfg, draft = self.config, self.draft
-        draft.sync(context)
-        base = len(context)
-        nodes: list[_Node] = []
-        layer = [len(nodes) + i for i in range(cfg.top_k)]
-        nodes += [_Node(t, -1, 1, lp) for t, lp in _top_log_probs(draft.logits(), cfg.top_k)]
+    # -- drafting: each shape returns every drafted node, parents first ------
+
+    def _root_logits(self, context: list[int]) -> np.ndarray:
+        self.draft.sync(context)
         self.draft_forwards += 1
-        seq_of: dict[int, int] = {}
-        next_seq = 1
-        for depth in range(1, min(cfg.depth, budget)):
-            expand = sorted(layer, key=lambda i: -nodes[i].logp)[: cfg.top_k]
-            batch = draft.batch
-            batch.clear()
-            rows = []
+        return self.draft.logits()
+
+    def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> list[int]:
+        """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
+        batch = self.draft.batch
+        batch.clear()
+        rows = [batch.add(nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries]
+        self.draft.ctx.decode(batch)
+        self.draft_forwards += 1
+        return rows
+
+    def _draft_dynamic(self, context: list[int], max_depth: int) -> list[_Node]:
+        """EAGLE-2's expansion: the top_k best nodes of each depth get their top_k children."""
+        k = self.config.top_k
+        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs(self._root_logits(context), k)]
+        layer = list(range(len(nodes)))
+        scratch = _Scratch(self.draft.ctx)
+        seq_of = {-1: 0}  # node -> draft sequence holding its path
+        for depth in range(1, max_depth):
+            expand = sorted(layer, key=lambda i: -nodes[i].logp)[:k]
             for i in expand:
-                seq = next_seq
-                next_seq += 1
-                parent = nodes[i].parent
-                draft.ctx.seq_cp(seq_of[parent] if parent >= 0 else 0, seq, -1, -1)
-                seq_of[i] = seq
-                rows.append(batch.add(nodes[i].token, base + depth - 1, (seq,), True))
-            draft.ctx.decode(batch)
-            self.draft_forwards += 1
+                seq_of[i] = scratch.fork(seq_of[nodes[i].parent])
+            rows = self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
-                for t, lp in _top_log_probs(draft.ctx.logits(row), cfg.top_k):
+                for t, lp in _top_log_probs(self.draft.ctx.logits(row), k):
                     layer.append(len(nodes))
                     nodes.append(_Node(t, i, depth + 1, nodes[i].logp + lp))
-        for seq in range(1, next_seq):
-            draft.ctx.seq_rm(seq, -1, -1)
-        # Rerank: the best M by cumulative probability (ties broken towards shallower nodes).
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].logp, nodes[i].depth))[: cfg.nodes]
-        kept = set(order)
+        scratch.release()
+        return nodes
+
+    def _draft_static(self, context: list[int], max_depth: int) -> list[_Node]:
+        """llama.cpp's speculative.cpp: extend every branch by its top candidate, split off likely others."""
+        cfg = self.config
+        scratch = _Scratch(self.draft.ctx)
+        live = [_Branch(-1, 0, self._root_logits(context))]
+        n_branches = 1
+        nodes: list[_Node] = []
+        for depth in range(1, max_depth + 1):
+            grown: list[tuple[int, int]] = []  # (new node, draft sequence of its branch)
+            for br in live:
+                cands = _top_log_probs(br.logits, cfg.top_k)
+                if math.exp(cands[0][1]) < cfg.p_min:
+                    continue  # this branch stops drafting
+                base_logp = nodes[br.leaf].logp if br.leaf >= 0 else 0.0
+                for j, (t, lp) in enumerate(cands):
+                    if len(nodes) >= cfg.drafted_nodes:
+                        break
+                    if j > 0:
+                        if n_branches >= cfg.top_k or math.exp(lp) <= cfg.p_split:
+                            break
+                        n_branches += 1
+                    # The top candidate continues the branch in its sequence (sequence 0 stays the
+                    # committed text, so the root's gets a fork); a split forks the parent's path.
+                    seq = br.seq if j == 0 and br.seq != 0 else scratch.fork(br.seq)
+                    nodes.append(_Node(t, br.leaf, depth, base_logp + lp))
+                    grown.append((len(nodes) - 1, seq))
+            if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
+                break
+            rows = self._decode(len(context), nodes, grown)
+            live = [_Branch(i, seq, self.draft.ctx.logits(row)) for (i, seq), row in zip(grown, rows)]
+        scratch.release()
+        return nodes
+
+    # -- selection: the same for both shapes -------------------------------
+
+    def _select(self, nodes: list[_Node], draft_forwards: int) -> list[_Node]:
+        """The best M nodes by cumulative probability (ties towards shallower ones), re-indexed parents first."""
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].logp, nodes[i].depth))
+        if self.config.auto:
+            m = self._auto_budget([math.exp(nodes[i].logp) for i in order], draft_forwards)
+        else:
+            m = self.config.nodes  # type: ignore[assignment]
+        kept = set(order[:m])
         kept = {i for i in kept if all(a in kept for a in self._ancestors(nodes, i))}
-        remap = {old: new for new, old in enumerate(sorted(kept, key=lambda i: (nodes[i].depth, i)))}
-        out = []
-        for old in sorted(kept, key=lambda i: (nodes[i].depth, i)):
-            n = nodes[old]
-            out.append(_Node(n.token, remap[n.parent] if n.parent >= 0 else -1, n.depth, n.logp))
-        return out
+        ordered = sorted(kept, key=lambda i: (nodes[i].depth, i))
+        remap = {old: new for new, old in enumerate(ordered)}
+        return [_Node(nodes[i].token, remap.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp) for i in ordered]
+
+    def _auto_budget(self, path_probs: list[float], draft_forwards: int) -> int:
+        if self.cost is None:  # no room to measure: verify what a fixed default would
+            return min(TreeConfig.nodes, self.config.max_nodes)  # type: ignore[type-var]
+        m = best_tree_size(path_probs, draft_forwards, self.cost.draft, self.cost.batch)
+        return min(m, self.config.max_nodes)
 
     @staticmethod
     def _ancestors(nodes: list[_Node], i: int) -> list[int]:
@@ -135,21 +274,32 @@ class TreeSpeculation:
             out.append(i)
         return out
 
+    def _draft_tree(self, context: list[int], max_depth: int) -> tuple[list[_Node], int]:
+        """The verified tree of this step, and how many nodes were drafted to choose it from."""
+        before = self.draft_forwards
+        draft = self._draft_static if self.config.shape == "static" else self._draft_dynamic
+        drafted = draft(context, max_depth)
+        return self._select(drafted, self.draft_forwards - before), len(drafted)
+
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
         target = self.target
         run = Run(self.name, target.ctx.model, params, prompt, min(target.n_ctx, self.draft.n_ctx))
-        totals = {"tree_nodes": 0, "tree_depth": 0, "batch_tokens": 0}
+        totals = {"tree_nodes": 0, "tree_depth": 0, "tree_leaves": 0, "batch_tokens": 0, "drafted_nodes": 0}
         self.draft_forwards = 0
 
         def prefill() -> int:
             self.draft.sync(prompt[:-1], logits=False)
-            return target.sync(prompt[:-1], logits=False)
+            cached = target.sync(prompt[:-1], logits=False)
+            if self.config.auto and self.cost is None:
+                # After a real context, on this device; appends cells and removes them (backends.cost).
+                self.cost = cached_device_cost(target, self.draft, AUTO_K_MAX)
+            return cached
 
         def tree_step() -> Iterator[Event]:
             n_past = len(run.context) - 1
-            nodes = self._draft_tree(run.context, run.room() - 1)
+            nodes, drafted = self._draft_tree(run.context, min(self.config.depth, run.room() - 1))
             children: list[list[int]] = [[] for _ in range(len(nodes) + 1)]  # index 0 = the root
             for i, n in enumerate(nodes):
                 children[n.parent + 1].append(i)
@@ -168,6 +318,8 @@ class TreeSpeculation:
             target.ctx.decode(batch)
             totals["batch_tokens"] += len(batch)
             totals["tree_nodes"] += len(nodes)
+            totals["drafted_nodes"] += drafted
+            totals["tree_leaves"] += len(leaves)
             totals["tree_depth"] += max((n.depth for n in nodes), default=0)
 
             cur, row, n_matched, n_accepted = -1, 0, 0, 0
@@ -196,8 +348,10 @@ class TreeSpeculation:
             run.extra.update(
                 batch_tokens=totals["batch_tokens"],
                 draft_forwards=self.draft_forwards,
-                mean_tree_nodes=round(totals["tree_nodes"] / steps, 3),
+                mean_tree_nodes=round(totals["tree_nodes"] / steps, 3),  # M, chosen per step with nodes="auto"
+                mean_drafted_nodes=round(totals["drafted_nodes"] / steps, 3),
                 mean_tree_depth=round(totals["tree_depth"] / steps, 3),
+                mean_tree_leaves=round(totals["tree_leaves"] / steps, 3),  # root-to-leaf paths: branches
                 mean_accepted_path=round(run.accepted / steps, 3),
             )
 
