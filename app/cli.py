@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_strategy_flag(run)
     _add_generation_flags(run)
 
-    chat = sub.add_parser("chat", help="open the chat app (the default with no command)")
+    chat = sub.add_parser("chat", help="open the chat app (the default with no command)",
+                          description="Open the chat app. Flags given here override the saved settings "
+                                      "(F4 in the app); the defaults shown are those of `specchat run`.")
     chat.add_argument("-m", "--model", help="target model: .gguf path, or 'demo' (default: the saved one)")
     chat.add_argument("-md", "--model-draft", help="draft model: .gguf path, or 'demo-draft'")
     chat.add_argument("--system", help="system prompt")

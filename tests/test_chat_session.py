@@ -158,3 +158,12 @@ def test_old_turns_leave_the_prompt_when_the_context_is_full(tiny) -> None:
             _run(session, "word " * 400)  # a single message too long for the context
     finally:
         engine.close()
+
+
+def test_bad_chat_flag_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch) -> None:
+    from app.cli import main
+
+    monkeypatch.setenv("SPECCHAT_CONFIG_DIR", str(tmp_path))
+    assert main(["chat", "-m", "model.gguf", "--temp", "-1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["specchat: error: temperature must be >= 0"]
