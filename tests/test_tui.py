@@ -90,6 +90,7 @@ def test_strategy_switch_keeps_conversation_and_cache(tiny, tmp_path, capsys) ->
             common = next((i for i, (a, b) in enumerate(zip(turn1_tokens, document)) if a != b), len(turn1_tokens))
             assert turn2.stats.prompt_tokens == len(document)
             assert turn2.stats.prompt_cached == min(common, len(turn1_tokens) - 1) > 0
+
     asyncio.run(scenario())
 
 
