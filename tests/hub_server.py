@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ class FakeHub:
         self.gated: set[str] = set()
         self.fail_status: int | None = None  # answer every request with this status
         self.cut: dict[str, int] = {}  # file name -> stop after this many body bytes, once
+        # file name -> (body bytes to send, then wait for the event before the rest), once: a slow transfer
+        self.hold: dict[str, tuple[int, threading.Event]] = {}
         self.served: Counter[str] = Counter()  # file name -> body bytes sent
         self.requests: list[Request] = []
         self._server: ThreadingHTTPServer | None = None
@@ -75,7 +78,7 @@ class FakeHub:
         class Handler(_Handler):
             fake = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
         return self.url
@@ -84,6 +87,13 @@ class FakeHub:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hangs up mid-transfer (a cancelled download) is expected, not a server error."""
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -174,6 +184,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         sent = body if cut is None else body[: max(0, cut - start)]
+        hold = fake.hold.pop(m["file"], None)
+        if hold is not None:
+            first, release = hold
+            fake.served[m["file"]] += first
+            self.wfile.write(sent[:first])
+            self.wfile.flush()
+            release.wait(30)
+            sent = sent[first:]
         fake.served[m["file"]] += len(sent)  # counted first: the client may be done before write() returns
         self.wfile.write(sent)
         if cut is not None:  # the promised Content-Length never arrives: a dropped connection

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 from dataclasses import replace
 
 from hub_server import catalog_hub, hub, hub_ggufs  # noqa: F401  (fixtures used by name)
-from hub_server import OTHER_REPO, FakeHub
+from hub_server import OTHER_REPO, TARGET_FILE, TARGET_REPO, FakeHub
 from textual.widgets import OptionList
 
 from app.cli import main
@@ -64,5 +66,41 @@ def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, caps
             chat.settings = replace(chat.settings, strategy="sps")
             await send(pilot, "hello")
             assert chat.last_done.reason in ("length", "eos") and chat.last_done.stats.strategy == "sps"
+
+    asyncio.run(scenario())
+
+
+def test_escape_cancels_a_download_and_the_next_pull_resumes(catalog_hub: FakeHub, tiny, tmp_path) -> None:
+    release = threading.Event()
+    catalog_hub.hold[TARGET_FILE] = (1_000_000, release)  # the first GET stalls after 1 MB until released
+
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_loaded(pilot)
+            await pilot.press("f6")
+            screen = app.screen
+            catalog = screen.query_one("#catalog", OptionList)
+            catalog.focus()
+            catalog.highlighted = next(i for i in range(catalog.option_count)
+                                       if catalog.get_option_at_index(i).id == "qwen2.5")
+            await pilot.press("p")
+            await wait_for(pilot, lambda: screen.last_progress is not None and screen.last_progress.done >= 900_000,
+                           "the first megabyte")
+            await pilot.press("escape")  # cancels the download; the screen stays
+            release.set()
+            await wait_for(pilot, lambda: not screen.pulling, "the cancellation")
+            assert app.screen is screen
+            assert "cancelled" in str(screen.query_one("#pull-status").render())
+            assert "qwen2.5-7b-instruct" not in [m.name for m in screen.local]
+
+            await pilot.press("p")  # again: resumes where it stopped
+            await wait_for(pilot, lambda: not screen.pulling, "the resumed download")
+            assert "download complete" in str(screen.query_one("#pull-status").render())
+            local = {m.name: m.path for m in screen.local}
+            assert hashlib.sha256(local["qwen2.5-7b-instruct"].read_bytes()).hexdigest() == \
+                catalog_hub.sha256(TARGET_REPO, TARGET_FILE)
+            resumed = catalog_hub.gets(TARGET_FILE)[-1]
+            assert resumed.range is not None and int(resumed.range.split("=")[1].split("-")[0]) >= 900_000
 
     asyncio.run(scenario())

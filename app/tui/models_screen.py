@@ -196,10 +196,10 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
     def on_pull_ended(self, message: PullEnded) -> None:
         self.pulling = False
         self.query_one("#pull-progress").display = False
+        self.refresh_local()
         self._status(message.error or "download complete")
         if message.error:
             self.notify(message.error, severity="error" if "cancelled" not in message.error else "warning")
-        self.refresh_local()
 
     def action_back(self) -> None:
         if self.pulling:
