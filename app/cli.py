@@ -18,6 +18,7 @@ from typing import Callable, NoReturn, Sequence
 
 from app.models_command import add_models_parser, run_models
 from app.render import TextView, event_json, stats_lines
+from app.settings import GENERATION, Settings, apply_flags
 from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
 from backends.events import Done
 from backends.llama import set_native_logging
@@ -206,23 +207,12 @@ class _Interrupt:
 
 
 def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOptions]:
+    """Generation settings from the flags, through the table `chat` uses too (app.settings.FLAG_PATHS)."""
     try:
-        params = GenParams(
-            max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, seed=args.seed, stop=tuple(getattr(args, "stop", ())),
-        )
-        k = {} if args.draft_max is None else {"draft_max": args.draft_max}
-        options = StrategyOptions(
-            sps=SpsConfig(p_min=args.draft_p_min, adaptive=not args.no_adaptive, **k),
-            lookahead=LookaheadConfig(args.lookahead_window, args.lookahead_ngram, args.lookahead_guesses,
-                                      args.lookahead_seed_prompt),
-            lookup=LookupConfig(ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, **k),
-            tree=TreeConfig(args.tree_depth, args.tree_top_k, args.tree_nodes, args.tree_shape, args.draft_p_split,
-                            args.draft_p_min),
-        )
+        settings = apply_flags(Settings(), args, GENERATION)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return params, options
+    return settings.params, settings.options
 
 
 def _load_engine(args: argparse.Namespace, target: Path, draft: Path | None, n_seq_max: int) -> Engine:

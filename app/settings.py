@@ -8,11 +8,12 @@ the app.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import platformdirs
 
@@ -57,10 +58,76 @@ def get_path(obj: Any, path: str) -> Any:
     return obj
 
 
+def with_paths(obj: Any, values: Mapping[str, Any]) -> Any:
+    """A copy of `obj` with the field at each path replaced.
+
+    Each dataclass on the way is rebuilt once with all its new values, so its
+    checks across fields (e.g. lookup's n-gram min <= max) see the final ones.
+    """
+    leaves: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        head, _, rest = path.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            leaves[head] = value
+    changes = {head: with_paths(getattr(obj, head), sub) for head, sub in nested.items()}
+    return replace(obj, **changes, **leaves) if changes or leaves else obj
+
+
 def with_path(obj: Any, path: str, value: Any) -> Any:
-    """A copy of `obj` with the field at `path` replaced (validated by each dataclass on the way up)."""
-    head, _, rest = path.partition(".")
-    return replace(obj, **{head: with_path(getattr(obj, head), rest, value) if rest else value})
+    return with_paths(obj, {path: value})
+
+
+# argparse dest -> the Settings paths it sets; one table for `run`, `bench` and `chat`
+# (--draft-max is K for sps and lookup alike; --draft-p-min stops sps and the static tree).
+FLAG_PATHS: dict[str, tuple[str, ...]] = {
+    "model": ("target",),
+    "model_draft": ("draft",),
+    "strategy": ("strategy",),
+    "system": ("system_prompt",),
+    "max_tokens": ("params.max_tokens",),
+    "temp": ("params.temperature",),
+    "top_k": ("params.top_k",),
+    "top_p": ("params.top_p",),
+    "min_p": ("params.min_p",),
+    "seed": ("params.seed",),
+    "stop": ("params.stop",),
+    "draft_max": ("options.sps.draft_max", "options.lookup.draft_max"),
+    "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
+    "lookahead_window": ("options.lookahead.window",),
+    "lookahead_ngram": ("options.lookahead.ngram",),
+    "lookahead_guesses": ("options.lookahead.guesses",),
+    "lookahead_seed_prompt": ("options.lookahead.seed_pool_from_prompt",),
+    "lookup_ngram_max": ("options.lookup.ngram_max",),
+    "lookup_ngram_min": ("options.lookup.ngram_min",),
+    "tree_depth": ("options.tree.depth",),
+    "tree_top_k": ("options.tree.top_k",),
+    "tree_nodes": ("options.tree.nodes",),
+    "tree_shape": ("options.tree.shape",),
+    "draft_p_split": ("options.tree.p_split",),
+    "ctx_size": ("n_ctx",),
+    "threads": ("threads",),
+    "gpu_layers": ("n_gpu_layers",),
+    "gpu_layers_draft": ("n_gpu_layers_draft",),
+}
+GENERATION = ("params.", "options.")
+
+
+def apply_flags(settings: Settings, args: argparse.Namespace, only: tuple[str, ...] = ("",)) -> Settings:
+    """`settings` with the flags in `args` that are not None applied, to the paths starting with `only`."""
+    values: dict[str, Any] = {}
+    for dest, paths in FLAG_PATHS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        for path in paths:
+            if path.startswith(only):
+                values[path] = tuple(value) if dest == "stop" else value
+    if getattr(args, "no_adaptive", None):
+        values["options.sps.adaptive"] = False
+    return with_paths(settings, values)
 
 
 def config_dir() -> Path:
