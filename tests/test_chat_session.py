@@ -16,6 +16,7 @@ from app.settings import Settings, load_settings, save_settings
 from backends.engine import Engine, EngineConfig, StrategyOptions
 from backends.events import Done
 from backends.sampling import GenParams
+from backends.strategies.lookup import LookupConfig
 from backends.strategies.tree import TreeConfig
 from gguf_factory import write_llama_gguf
 from models.files import write_atomic
@@ -92,6 +93,14 @@ def test_chat_flags_override_only_what_was_given() -> None:
     got = settings_from_flags(saved, args)
     assert (got.target, got.draft) == ("new.gguf", None)  # a new target drops the old target's draft
     assert (got.options.sps.draft_max, got.options.lookup.draft_max, got.options.sps.adaptive) == (3, 3, False)
+
+
+def test_flags_across_fields_apply_together() -> None:
+    """Saved n-grams 3..4, flags 1..2: applied one at a time, max=2 would first meet min=3 and fail."""
+    saved = Settings(options=StrategyOptions(lookup=LookupConfig(ngram_max=4, ngram_min=3)))
+    args = build_parser().parse_args(["chat", "--lookup-ngram-max", "2", "--lookup-ngram-min", "1"])
+    got = settings_from_flags(saved, args).options.lookup
+    assert (got.ngram_min, got.ngram_max) == (1, 2)
 
 
 def test_settings_round_trip_and_bad_file(tmp_path) -> None:
