@@ -56,7 +56,8 @@ def _offline(args: argparse.Namespace) -> bool | None:
     return True if getattr(args, "offline", False) else None  # None: huggingface_hub's HF_HUB_OFFLINE decides
 
 
-def _size(n: float | None) -> str:
+def format_size(n: float | None) -> str:
+    """Bytes as the CLI and the models screen show them (decimal units)."""
     if n is None:
         return "?"
     for unit in ("B", "kB", "MB", "GB"):
@@ -83,9 +84,9 @@ class StderrBar:
         if not self.tty and self.shown.get(p.filename) == step:
             return
         self.shown[p.filename] = step
-        line = f"{p.filename}: {_size(p.done)}"
+        line = f"{p.filename}: {format_size(p.done)}"
         if frac is not None:
-            line += f" of {_size(p.total)} {frac * 100:5.1f}%"
+            line += f" of {format_size(p.total)} {frac * 100:5.1f}%"
         if self.tty:
             width = 30
             bar = "#" * int((frac or 0) * width)
@@ -135,9 +136,9 @@ def _list(args: argparse.Namespace) -> int:
     print(f"{'NAME':<{width}}  {'SIZE':>9}  {'ARCH':<10} {'QUANT':<8} PATH")
     for m in models:
         if m.info is None:
-            print(f"{m.name:<{width}}  {_size(m.path.stat().st_size):>9}  unusable: {m.problem}")
+            print(f"{m.name:<{width}}  {format_size(m.path.stat().st_size):>9}  unusable: {m.problem}")
             continue
-        print(f"{m.name:<{width}}  {_size(m.info.size_bytes):>9}  {m.info.architecture:<10} "
+        print(f"{m.name:<{width}}  {format_size(m.info.size_bytes):>9}  {m.info.architecture:<10} "
               f"{m.info.quantization or '?':<8} {m.path}")
     pairs = [(m.name, drafts_for(m, models)) for m in models if m.info is not None]
     pairs = [(t, ds) for t, ds in pairs if ds]
@@ -221,8 +222,8 @@ def _derive(args: argparse.Namespace) -> int:
     derived = validate_gguf(out)
     alias = args.alias or f"{name}-{quant.lower()}"
     ModelStore().add(StoredModel(alias, out.resolve(), quant=derived.quantization, derived_from=str(src)))
-    print(f"{alias}: {out} ({_size(derived.size_bytes)}, {derived.quantization}; "
-          f"source {_size(source.size_bytes)}, {source.quantization})")
+    print(f"{alias}: {out} ({format_size(derived.size_bytes)}, {derived.quantization}; "
+          f"source {format_size(source.size_bytes)}, {source.quantization})")
     result = check_pair(source, derived)
     print(_verdict(args.ref, alias, result))
     return 0 if result.ok else EXIT_INCOMPATIBLE

@@ -21,6 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 
+from app.models_command import format_size
 from models.catalog import load_catalog
 from models.compat import check_pair
 from models.errors import ModelError
@@ -29,10 +30,6 @@ from models.local import LocalModel, local_models
 from models.resolve import hub_models
 
 NO_DRAFT = "\0no-draft"  # the drafts list's first row: chat with the target alone
-
-
-def _gb(n_bytes: int) -> str:
-    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB"
 
 
 class PullProgress(Message):
@@ -87,7 +84,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
             self._status(str(e))
             return
         for pair in entries.pairs:
-            ram = pair.ram_gb()
+            ram = pair.ramformat_size()
             catalog.add_option(Option(
                 f"{pair.name}: {pair.target.alias} {pair.target.default_quant} + {pair.draft.alias} "
                 f"{pair.draft.default_quant}" + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
@@ -104,7 +101,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 options.add_option(Option(f"{m.name} · unusable: {m.problem}", id=str(i), disabled=True))
             else:
                 options.add_option(Option(
-                    f"{m.name} · {_gb(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}",
+                    f"{m.name} · {format_size(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}",
                     id=str(i)))
         if self.local:
             options.highlighted = 0
@@ -141,7 +138,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
             if m is target or m.info is None:
                 continue
             verdict = check_pair(target.info, m.info)
-            label = f"{m.name} · {_gb(m.info.size_bytes)} {m.info.quantization or ''}"
+            label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}"
             if verdict.ok:
                 drafts.add_option(Option(label, id=str(i)))
             else:
@@ -190,8 +187,8 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         p = self.last_progress = message.progress
         bar = self.query_one("#pull-progress", ProgressBar)
         bar.update(total=p.total, progress=p.done)
-        total = f" of {_gb(p.total)}" if p.total else ""
-        self._status(f"{p.filename}: {_gb(p.done)}{total}")
+        total = f" of {format_size(p.total)}" if p.total else ""
+        self._status(f"{p.filename}: {format_size(p.done)}{total}")
 
     def on_pull_ended(self, message: PullEnded) -> None:
         self.pulling = False
