@@ -84,7 +84,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
             self._status(str(e))
             return
         for pair in entries.pairs:
-            ram = pair.ramformat_size()
+            ram = pair.ram_gb()
             catalog.add_option(Option(
                 f"{pair.name}: {pair.target.alias} {pair.target.default_quant} + {pair.draft.alias} "
                 f"{pair.draft.default_quant}" + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
