@@ -12,11 +12,11 @@ from typing import Callable
 
 from app.bench import BenchConfig, format_table, measure_costs, print_progress, run_bench
 from app.bench_plot import write_plot
+from app.render import strategy_label
 from app.prompt_sets import load_prompt_set
 from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, StrategyOptions, n_seq_needed
 from backends.llama import default_threads
 from backends.sampling import GenParams
-from backends.strategies.tree import TreeConfig
 
 SWEEP_SPS = [(k, p) for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]
 SWEEP_LOOKAHEAD = [(2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15)]
@@ -24,22 +24,6 @@ SWEEP_LOOKUP = [(4, 3), (10, 3), (16, 3), (10, 2)]
 # (depth, top_k, nodes, shape): nodes "auto" picks M per step from the measured cost curve.
 SWEEP_TREE = [(3, 2, 6, "dynamic"), (5, 2, 10, "dynamic"), (4, 3, 12, "dynamic"), (6, 2, 12, "dynamic"),
               (4, 2, "auto", "dynamic"), (5, 3, "auto", "dynamic"), (6, 4, 12, "static"), (8, 4, "auto", "static")]
-
-
-def _label(name: str, options: StrategyOptions) -> str:
-    if name == "sps":
-        return f"sps K={options.sps.draft_max} p_min={options.sps.p_min}"
-    if name == "lookahead":
-        la = options.lookahead
-        return f"lookahead W={la.window} N={la.ngram} G={la.guesses}" + (" seeded" if la.seed_pool_from_prompt else "")
-    if name == "lookup":
-        return f"lookup K={options.lookup.draft_max} n<={options.lookup.ngram_max}"
-    if name == "tree":
-        t = options.tree
-        shape = " static" if t.shape == "static" else ""
-        split = f" ps={t.p_split}" if t.shape == "static" and t.p_split != TreeConfig.p_split else ""
-        return f"tree{shape} D={t.depth} k={t.top_k} M={t.nodes}{split}"
-    return name
 
 
 def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> list[BenchConfig]:
@@ -60,7 +44,7 @@ def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> li
             grid += [replace(options, lookup=replace(options.lookup, draft_max=k, ngram_max=n)) for k, n in SWEEP_LOOKUP]
         seen = set()
         for opt in grid:
-            label = _label(name, opt)
+            label = strategy_label(name, opt)
             if label not in seen:
                 seen.add(label)
                 configs.append(BenchConfig(label, name, opt))

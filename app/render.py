@@ -13,7 +13,9 @@ from typing import IO
 from rich.console import Console
 from rich.text import Text
 
+from backends.engine import StrategyOptions
 from backends.events import ACCEPTED, REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
+from backends.strategies.tree import TreeConfig
 
 @dataclass(frozen=True)
 class Palette:
@@ -64,6 +66,24 @@ class TextView:
         elif isinstance(event, Done):
             self.out.write(event.tail + "\n")
             self.out.flush()
+
+
+def strategy_label(name: str, options: StrategyOptions) -> str:
+    """A strategy and the settings it runs with, in the CLI's flag vocabulary (bench rows, the chat's stats bar)."""
+    if name == "sps":
+        s = options.sps
+        return f"sps K={s.draft_max} p_min={s.p_min}" + ("" if s.adaptive else " fixed")
+    if name == "lookahead":
+        la = options.lookahead
+        return f"lookahead W={la.window} N={la.ngram} G={la.guesses}" + (" seeded" if la.seed_pool_from_prompt else "")
+    if name == "lookup":
+        return f"lookup K={options.lookup.draft_max} n<={options.lookup.ngram_max}"
+    if name == "tree":
+        t = options.tree
+        shape = " static" if t.shape == "static" else ""
+        split = f" ps={t.p_split}" if t.shape == "static" and t.p_split != TreeConfig.p_split else ""
+        return f"tree{shape} D={t.depth} k={t.top_k} M={t.nodes}{split}"
+    return name
 
 
 def event_json(event: Event) -> str:

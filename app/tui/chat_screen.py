@@ -28,7 +28,7 @@ from app.settings import CHAT_N_SEQ_MAX, Settings
 from app.tui.history_screen import HistoryScreen
 from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
-from app.tui.stats_bar import StatsBar, strategy_label
+from app.tui.stats_bar import StatsBar, turn_label
 from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
@@ -141,7 +141,7 @@ class ChatScreen(Screen):
 
     def _show_label(self) -> None:
         s = self.settings
-        self.stats.show(label=strategy_label(s.strategy, s.options, s.params))
+        self.stats.show(label=turn_label(s.strategy, s.options, s.params))
 
     def _note(self, text: str, kind: str = "info") -> None:
         self.transcript.add(Note(text, kind))

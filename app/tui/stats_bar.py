@@ -7,29 +7,16 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from app.render import strategy_label
 from app.tui.streaming import LiveStats
 from backends.engine import StrategyOptions
 from backends.sampling import GenParams
 
 
-def strategy_label(strategy: str, options: StrategyOptions, params: GenParams) -> str:
-    """What runs the next turn, in the CLI's flag vocabulary."""
-    if strategy == "sps":
-        s = options.sps
-        detail = f"K={s.draft_max} p_min={s.p_min}" + (" adaptive" if s.adaptive else "")
-    elif strategy == "lookahead":
-        a = options.lookahead
-        detail = f"W={a.window} N={a.ngram} G={a.guesses}"
-    elif strategy == "lookup":
-        u = options.lookup
-        detail = f"K={u.draft_max} n={u.ngram_max}..{u.ngram_min}"
-    elif strategy == "tree":
-        t = options.tree
-        detail = f"D={t.depth} k={t.top_k} M={t.nodes}"
-    else:
-        detail = "plain decoding"
+def turn_label(strategy: str, options: StrategyOptions, params: GenParams) -> str:
+    """What runs the next turn: the strategy's label (as bench prints it) and the sampling."""
     sampling = "greedy" if params.greedy else f"temp {params.temperature:g} top-p {params.top_p:g}"
-    return f"{strategy} {detail} · {sampling}"
+    return f"{strategy_label(strategy, options)} · {sampling}"
 
 
 class StatsBar(Static):
