@@ -6,10 +6,13 @@ import asyncio
 import hashlib
 import threading
 from dataclasses import replace
+from typing import Callable
 
 from hub_server import catalog_hub, hub, hub_ggufs  # noqa: F401  (fixtures used by name)
 from hub_server import OTHER_REPO, TARGET_FILE, TARGET_REPO, FakeHub
+from textual.pilot import Pilot
 from textual.widgets import OptionList
+from textual.widgets.option_list import Option
 
 from app.cli import main
 from app.tui.models_screen import ModelsScreen
@@ -22,6 +25,22 @@ def _labels(options: OptionList) -> dict[str, bool]:
             for i in range(options.option_count)}
 
 
+def _highlight(options: OptionList, wanted: Callable[[Option], bool]) -> None:
+    options.focus()
+    options.highlighted = next(i for i in range(options.option_count) if wanted(options.get_option_at_index(i)))
+
+
+async def _start_pull(pilot: Pilot, pair: str) -> ModelsScreen:
+    """Open the models screen (F6) once the chat's model is loaded, and press p on a catalog pair."""
+    await wait_loaded(pilot)
+    await pilot.press("f6")
+    screen = pilot.app.screen
+    assert isinstance(screen, ModelsScreen)
+    _highlight(screen.query_one("#catalog", OptionList), lambda o: o.id == pair)
+    await pilot.press("p")
+    return screen
+
+
 def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, capsys) -> None:
     assert main(["models", "pull", f"hf:{OTHER_REPO}"]) == 0  # a local model with another vocabulary
     capsys.readouterr()
@@ -29,15 +48,7 @@ def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, caps
     async def scenario() -> None:
         app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_loaded(pilot)
-            await pilot.press("f6")
-            screen = app.screen
-            assert isinstance(screen, ModelsScreen)
-            catalog = screen.query_one("#catalog", OptionList)
-            catalog.focus()
-            catalog.highlighted = next(i for i in range(catalog.option_count)
-                                       if catalog.get_option_at_index(i).id == "qwen2.5")
-            await pilot.press("p")
+            screen = await _start_pull(pilot, "qwen2.5")
             await wait_for(pilot, lambda: not screen.pulling, "the download")
             assert screen.last_progress is not None
             assert screen.last_progress.done == screen.last_progress.total > 1_000_000  # reached 100%
@@ -54,9 +65,7 @@ def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, caps
             assert compatible and drafts[compatible[0]]
             assert incompatible and not drafts[incompatible[0]] and "differs" in incompatible[0]
 
-            options = screen.query_one("#drafts", OptionList)
-            options.highlighted = next(i for i in range(options.option_count)
-                                       if str(options.get_option_at_index(i).prompt).startswith("qwen2.5-0.5b"))
+            _highlight(screen.query_one("#drafts", OptionList), lambda o: str(o.prompt).startswith("qwen2.5-0.5b"))
             await pilot.press("enter")
             chat = app.chat
             assert app.screen is chat
@@ -77,14 +86,7 @@ def test_escape_cancels_a_download_and_the_next_pull_resumes(catalog_hub: FakeHu
     async def scenario() -> None:
         app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_loaded(pilot)
-            await pilot.press("f6")
-            screen = app.screen
-            catalog = screen.query_one("#catalog", OptionList)
-            catalog.focus()
-            catalog.highlighted = next(i for i in range(catalog.option_count)
-                                       if catalog.get_option_at_index(i).id == "qwen2.5")
-            await pilot.press("p")
+            screen = await _start_pull(pilot, "qwen2.5")
             await wait_for(pilot, lambda: screen.last_progress is not None and screen.last_progress.done >= 900_000,
                            "the first megabyte")
             await pilot.press("escape")  # cancels the download; the screen stays
