@@ -19,7 +19,7 @@ from typing import Callable
 from app.prompt_sets import BenchPrompt
 from backends.cost import BatchCost, best_chain_speedup, measure_device_cost, predicted_speedup
 from backends.engine import Engine, StrategyOptions
-from backends.events import Done
+from backends.events import Done, until_done
 from backends.sampling import GenParams
 
 CHAIN_STRATEGIES = ("sps", "lookup")
@@ -94,10 +94,7 @@ def _run(engine: Engine, config: BenchConfig, tokens: list[int], params: GenPara
     engine.target.reset()
     if engine.draft is not None:
         engine.draft.reset()
-    done = None
-    for ev in engine.strategy(config.strategy, config.options).generate(tokens, params):
-        done = ev
-    assert isinstance(done, Done)
+    done = until_done(engine.strategy(config.strategy, config.options).generate(tokens, params))
     if done.reason == "error":
         raise RuntimeError(f"{config.label}: {done.error}")
     return done

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 from app.chat_template import ChatMessage, render_chat
 from backends.engine import Engine, StrategyOptions
-from backends.events import Done, Event
+from backends.events import Done, Event, until_done
 from backends.sampling import GenParams
 from backends.strategies.base import never
 
@@ -116,9 +116,4 @@ class ChatSession:
 def measure_plain_decoding(engine: Engine, n_tokens: int = CALIBRATION_TOKENS) -> float:
     """Tokens/s of plain decoding on this device now: the baseline the speedup is shown against."""
     prompt = engine.tokenize(CALIBRATION_PROMPT)
-    done = None
-    for event in engine.strategy("ar").generate(prompt, GenParams(max_tokens=n_tokens)):
-        if isinstance(event, Done):
-            done = event
-    assert done is not None
-    return done.stats.tokens_per_second
+    return until_done(engine.strategy("ar").generate(prompt, GenParams(max_tokens=n_tokens))).stats.tokens_per_second

@@ -10,7 +10,7 @@ Invariant: the output is the sequence of tokens whose kind is not `rejected`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Iterable, Literal, Union
 
 TokenKind = Literal["accepted", "target", "rejected"]
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
@@ -123,3 +123,13 @@ class Done:
 
 
 Event = Union[Prefilled, Token, StepEnd, Done]
+
+
+def until_done(events: Iterable[Event]) -> Done:
+    """Consume a stream whose events nobody shows, and return its Done."""
+    done = None
+    for event in events:
+        done = event
+    if not isinstance(done, Done):
+        raise RuntimeError("the event stream ended without Done")
+    return done

@@ -14,7 +14,7 @@ from app.conversations import Conversation, ConversationStore
 from app.session import ChatSession, TurnRequest
 from app.settings import Settings, load_settings, save_settings
 from backends.engine import Engine, EngineConfig, StrategyOptions
-from backends.events import Done
+from backends.events import Done, until_done
 from backends.sampling import GenParams
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.tree import TreeConfig
@@ -45,12 +45,7 @@ def test_template_errors_are_clear(template: str, problem: str) -> None:
 
 
 def _run(session: ChatSession, text: str, strategy: str = "ar", n: int = 12) -> Done:
-    done = None
-    for ev in session.turn(text, TurnRequest(strategy, GenParams(max_tokens=n), StrategyOptions())):
-        if isinstance(ev, Done):
-            done = ev
-    assert done is not None
-    return done
+    return until_done(session.turn(text, TurnRequest(strategy, GenParams(max_tokens=n), StrategyOptions())))
 
 
 def test_chat_template_session_reuses_the_cache(tmp_path) -> None:

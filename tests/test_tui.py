@@ -15,8 +15,9 @@ from app.render import TRUECOLOR
 from app.settings import load_settings
 from app.tui.transcript import AnswerView, UserMessage
 from backends.engine import Engine, EngineConfig
-from backends.events import REJECTED, Done
+from backends.events import REJECTED
 from backends.sampling import GenParams
+from engine_helpers import run_to_done
 from tui_helpers import app_for, errors, send, tiny_settings, wait_for, wait_loaded
 
 PROMPT = "Once upon a time"
@@ -30,12 +31,9 @@ def cli_text(capsys: pytest.CaptureFixture[str], prompt: str, target: Path, draf
 def greedy_continuation(target: Path, tokens: list[int], n: int) -> str:
     engine = Engine(EngineConfig(target=target, n_ctx=4096, threads=1))
     try:
-        for ev in engine.strategy("ar").generate(tokens, GenParams(max_tokens=n)):
-            if isinstance(ev, Done):
-                return ev.text
+        return run_to_done(engine, "ar", tokens, GenParams(max_tokens=n)).text
     finally:
         engine.close()
-    raise AssertionError("no Done event")
 
 
 def test_answer_equals_specchat_run(tiny, tmp_path, capsys) -> None:
