@@ -66,9 +66,10 @@ class AnswerView(Static):
         return self._coloured
 
     def view_renderable(self) -> Text | Markdown | str:
-        if not self.output_text.strip() and not self._coloured:
-            return "…"
-        return self._coloured if self.speculation_view else Markdown(self.output_text)
+        if self.speculation_view:
+            return self._coloured if self._coloured else "…"
+        text = self.output_text  # joined only for the Markdown view, not on every streamed update
+        return Markdown(text) if text.strip() or self._coloured else "…"
 
     def _show(self) -> None:
         self.update(self.view_renderable())
