@@ -104,15 +104,18 @@ def run_bench(
     engine: Engine,
     configs: list[BenchConfig],
     prompts: list[BenchPrompt],
+    tokenized: list[list[int]],
     params: GenParams,
     repeats: int,
     cost: BatchCost | None = None,
     draft_cost: float = 0.0,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[ConfigResult]:
-    """Run every configuration on every prompt `repeats` times; the first config must be plain `ar`."""
+    """Run every configuration on every prompt (`tokenized`: as the target sees it) `repeats` times.
+
+    The first config must be plain `ar`.
+    """
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
-    tokenized = [engine.tokenize(p.text) for p in prompts]
     results = [ConfigResult(c) for c in configs]
     warm = GenParams(max_tokens=min(16, params.max_tokens), temperature=params.temperature, seed=params.seed)
     for c in configs:

@@ -8,15 +8,16 @@ import platform
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
-
 from app.bench import BenchConfig, format_table, measure_costs, print_progress, run_bench
 from app.bench_plot import write_plot
 from app.render import strategy_label
-from app.prompt_sets import load_prompt_set
-from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, StrategyOptions, n_seq_needed
+from app.chat_template import ChatMessage
+from app.loading import open_engine
+from app.prompt_format import PromptFormat
+from app.prompt_sets import BenchPrompt, load_prompt_set
+from app.settings import Settings
+from backends.engine import NEEDS_DRAFT, STRATEGIES, StrategyOptions, n_seq_needed
 from backends.llama import default_threads
-from backends.sampling import GenParams
 
 SWEEP_SPS = [(k, p) for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]
 SWEEP_LOOKAHEAD = [(2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15)]
@@ -51,13 +52,27 @@ def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> li
     return configs
 
 
-def bench(
-    args: argparse.Namespace,
-    params_and_options: tuple[GenParams, StrategyOptions],
-    resolve: Callable[..., Path],
-    load_engine: Callable[[argparse.Namespace, Path, Path | None, int], Engine],
-) -> int:
-    params, options = params_and_options
+def bench_tokens(fmt: PromptFormat, prompts: list[BenchPrompt], raw: bool, system_prompt: str) -> list[list[int]]:
+    """Each prompt as the target sees it: through the chat template unless raw (or the model has none)."""
+    out = []
+    for p in prompts:
+        if p.messages:
+            if raw:
+                raise ValueError("--raw sends prompt texts as they are; a prompt set with messages needs the template")
+            system = () if p.messages[0].role == "system" or not system_prompt else \
+                (ChatMessage("system", system_prompt),)
+            out.append(fmt.tokens([*system, *p.messages]))
+        elif raw or fmt.plain:
+            out.append(fmt.prompt(p.text, system_prompt, raw=raw))
+        else:
+            out.append(fmt.prompt(p.chat_text(), system_prompt))
+    return out
+
+
+def bench(args: argparse.Namespace, settings: Settings) -> int:
+    params, options = settings.params, settings.options
+    if args.raw and settings.system_prompt:
+        raise ValueError("--system needs the chat template; it cannot go with --raw")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
@@ -68,16 +83,17 @@ def bench(
         raise ValueError("--repeats must be at least 1")
     prompts = load_prompt_set(args.prompts, args.limit)
     configs = build_configs(names, options, args.sweep)
-    target = resolve(args.model, print_progress)
-    draft = resolve(args.model_draft, print_progress) if args.model_draft else None
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
-    engine = load_engine(args, target, draft, n_seq)
+    engine = open_engine(settings, n_seq, print_progress)
+    target, draft = engine.config.target, engine.config.draft
     try:
+        tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
         cost, draft_cost = (None, 0.0)
         if args.cost_k_max > 0:
             print_progress(f"measuring the batch cost curve (k = 1..{args.cost_k_max})")
-            cost, draft_cost = measure_costs(engine, engine.tokenize(prompts[0].text), args.cost_k_max)
-        results = run_bench(engine, configs, prompts, params, args.repeats, cost, draft_cost, print_progress)
+            cost, draft_cost = measure_costs(engine, tokenized[0], args.cost_k_max)
+        results = run_bench(engine, configs, prompts, tokenized, params, args.repeats, cost, draft_cost,
+                            print_progress)
     finally:
         engine.close()
     rows = [r.summary(cost, draft_cost) for r in results]
@@ -94,7 +110,8 @@ def bench(
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "repeats": args.repeats,
-        "prompts": [{"category": p.category, "text": p.text} for p in prompts],
+        "chat_template": not args.raw and engine.target_info.chat_template is not None,
+        "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
         "batch_cost": cost.as_list() if cost else None,
         "draft_cost": round(draft_cost, 4),
         "results": rows,

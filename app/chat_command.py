@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from app.errors import UserError
 from app.settings import Settings, apply_flags, load_settings
 
 
@@ -22,7 +23,6 @@ def settings_from_flags(saved: Settings, args: argparse.Namespace) -> Settings:
 
 
 def chat(args: argparse.Namespace) -> int:
-    from app.cli import UserError
     from app.tui import make_app  # Textual loads only for the chat app
 
     saved, warning = load_settings()

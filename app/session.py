@@ -5,18 +5,10 @@ target's `KvSequence` keeps the longest common prefix of what it already holds
 and decodes only the rest, so a new turn costs only its new tokens, whichever
 strategy ran the turns before (all strategies of an engine share that cache).
 
-Two ways to format a conversation:
-- the GGUF's chat template (rendered in a jinja2 sandbox, `app.chat_template`)
-  when the model has one;
-- plain text completion for a base model without one (the demo model): the
-  conversation is one continuing document. The first turn's prompt is exactly
-  the user's text (so it equals `specchat run TEXT`); each later message
-  starts on a new line after the previous answer.
-Either way the text is tokenized whole each turn, as llama.cpp's server does:
-the model sees the canonical tokens of what the transcript shows (tokenizing
-only the new message would add SentencePiece's dummy-prefix space on some
-vocabularies), a reopened chat works the same as a live one, and the cache
-still reuses everything up to the first token that differs.
+The conversation is formatted by `app.prompt_format.PromptFormat`: the GGUF's
+chat template when the model has one, one continuing plain-text document for a
+base model (the demo), tokenized whole each turn so the model sees the
+canonical tokens of what the transcript shows.
 """
 
 from __future__ import annotations
@@ -24,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from app.chat_template import ChatMessage, render_chat
+from app.chat_template import ChatMessage
+from app.prompt_format import PromptFormat
 from backends.engine import Engine, StrategyOptions
 from backends.events import Done, Event, until_done
 from backends.sampling import GenParams
@@ -49,25 +42,17 @@ class ChatSession:
     def __init__(self, engine: Engine, system_prompt: str = "") -> None:
         self.engine = engine
         self.system_prompt = system_prompt
-        self.template = engine.target_info.chat_template
+        self.format = PromptFormat(engine)
         self.messages: list[ChatMessage] = []
         self.dropped = 0  # messages of the last prompt left out because the context is full
 
     @property
     def plain(self) -> bool:
-        return self.template is None
+        return self.format.plain
 
     def reset(self, messages: Sequence[ChatMessage] = ()) -> None:
         """A new chat, or a saved one reopened."""
         self.messages = list(messages)
-
-    def _plain_text(self, messages: Sequence[ChatMessage]) -> str:
-        text = f"{self.system_prompt}\n" if self.system_prompt else ""
-        for m in messages:
-            if m.role == "user" and text and not text.endswith("\n"):
-                text += "\n"
-            text += m.content
-        return text
 
     def prompt_tokens(self, user_text: str, reserve: int = 0) -> list[int]:
         """The conversation plus the new message, as the target will see it.
@@ -86,16 +71,7 @@ class ChatSession:
             history = history[2:]  # one user message and its answer
 
     def _tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
-        if self.plain:
-            return self.engine.tokenize(self._plain_text(messages))
-        system = [ChatMessage("system", self.system_prompt)] if self.system_prompt else []
-        info, model = self.engine.target_info, self.engine.target_model
-        bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
-        eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
-        text = render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos)
-        # Templates usually write the BOS text themselves; adding it again would double it.
-        add_special = not (bos and text.startswith(bos))
-        return model.tokenize(text, add_special=add_special, parse_special=True)
+        return self.format.tokens(messages, self.system_prompt)
 
     def turn(self, user_text: str, request: TurnRequest, should_stop: Callable[[], bool] = never) -> Iterator[Event]:
         """Generate the answer; the turn joins the conversation unless it failed.

@@ -22,8 +22,12 @@ from backends.sampling import GenParams
 from models.files import write_atomic
 
 SETTINGS_FILE = "settings.json"
+# Version 2: chat samples with llama.cpp's defaults (version 1 files carry the old greedy default).
+SETTINGS_VERSION = 2
 # Chat turns are longer than a one-shot completion's default.
 CHAT_MAX_TOKENS = 512
+# llama.cpp's sampling defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05): small models loop under greedy.
+CHAT_TEMPERATURE = 0.8
 # Sequence ids every context is made with, so the user can switch to lookahead or
 # tree mid-chat without reloading (kv_unified: the ids share one cache, no extra memory).
 CHAT_N_SEQ_MAX = 64
@@ -36,20 +40,27 @@ class Settings:
     target: str | None = None
     draft: str | None = None
     strategy: str = "sps"
-    params: GenParams = field(default_factory=lambda: GenParams(max_tokens=CHAT_MAX_TOKENS))
+    params: GenParams = field(default_factory=lambda: GenParams(max_tokens=CHAT_MAX_TOKENS,
+                                                                temperature=CHAT_TEMPERATURE))
     options: StrategyOptions = field(default_factory=StrategyOptions)
     system_prompt: str = ""
     speculation_view: bool = True
     n_ctx: int = 4096
+    n_batch: int = 512
     threads: int | None = None
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target (HOST:PORT each)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.n_ctx < 16:
             raise ValueError("the context size must be at least 16 tokens")
+        if self.n_batch < 1:
+            raise ValueError("the batch size (-b) must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("the thread count (-t) must be at least 1")
 
 
 def get_path(obj: Any, path: str) -> Any:
@@ -108,9 +119,11 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "tree_shape": ("options.tree.shape",),
     "draft_p_split": ("options.tree.p_split",),
     "ctx_size": ("n_ctx",),
+    "batch_size": ("n_batch",),
     "threads": ("threads",),
     "gpu_layers": ("n_gpu_layers",),
     "gpu_layers_draft": ("n_gpu_layers_draft",),
+    "rpc": ("rpc",),
 }
 GENERATION = ("params.", "options.")
 
@@ -158,16 +171,33 @@ def _from_dict(cls: type[T], data: Any) -> T:
     return replace(default, **values)  # type: ignore[type-var]
 
 
+def _migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """A file of an older version, in today's terms.
+
+    Version 1 (no "version" key) saved every field, so its greedy temperature
+    was the old default rather than a choice: it becomes today's default.
+    """
+    data = dict(data)
+    version = data.pop("version", 1)
+    if version < 2 and isinstance(data.get("params"), dict) and data["params"].get("temperature") == 0.0:
+        data["params"] = {**data["params"], "temperature": CHAT_TEMPERATURE}
+    return data
+
+
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     """The saved settings and, if the file was unusable, a warning saying so."""
     path = path or config_dir() / SETTINGS_FILE
     if not path.exists():
         return Settings(), None
     try:
-        return _from_dict(Settings, json.loads(path.read_text(encoding="utf-8"))), None
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        return _from_dict(Settings, _migrate(data)), None
     except (OSError, ValueError, TypeError) as e:
         return Settings(), f"ignored unreadable settings file {path}: {e}"
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> None:
-    write_atomic(path or config_dir() / SETTINGS_FILE, json.dumps(asdict(settings), indent=2) + "\n")
+    data = {"version": SETTINGS_VERSION, **asdict(settings)}
+    write_atomic(path or config_dir() / SETTINGS_FILE, json.dumps(data, indent=2) + "\n")

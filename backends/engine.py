@@ -45,6 +45,8 @@ class EngineConfig:
     threads: int | None = None
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
+    # llama.cpp RPC servers (HOST:PORT) whose devices take the target's offloaded layers (-ngl).
+    rpc: tuple[str, ...] = ()
     # Sequence ids the contexts allow (see n_seq_needed).
     n_seq_max: int = 1
 
@@ -66,7 +68,7 @@ class Engine:
         if config.draft is not None:
             require_compatible(self.target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
-        self.target_model = LlamaModel(config.target, config.n_gpu_layers)
+        self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
         ctx_config = replace(ctx_config, n_seq_max=config.n_seq_max)
         self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
         self.draft_model: LlamaModel | None = None

@@ -12,15 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from backends.errors import CacheRollbackError, ContextFullError
 from backends.llama import Batch, LlamaContext
-
-
-class CacheRollbackError(RuntimeError):
-    """llama.cpp refused to remove part of a sequence from the KV cache."""
-
-
-class ContextFullError(ValueError):
-    """The tokens do not fit in the context window."""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

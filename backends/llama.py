@@ -24,12 +24,9 @@ from typing import Iterable, Sequence
 import llama_cpp
 import numpy as np
 
+from backends.errors import DecodeError
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
-
-
-class DecodeError(RuntimeError):
-    """llama_decode failed (e.g. the KV cache is full)."""
 
 
 _init_lock = threading.Lock()
@@ -99,7 +96,9 @@ def default_threads() -> int:
 class LlamaModel:
     """Weights and vocabulary of one GGUF file."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, rpc: Sequence[str] = ()) -> None:
+        if rpc:
+            raise ModelError("--rpc is not supported yet")
         self.path = Path(path)
         self.info = validate_gguf(self.path)
         _ensure_backend()

@@ -15,14 +15,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from backends.errors import PromptError
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, StepEnd, Token
 from backends.llama import LlamaModel
 from backends.sampling import GenParams, make_rng
 from backends.text import TextStream
-
-
-class PromptError(ValueError):
-    """The prompt cannot be generated from (empty, or longer than the context)."""
 
 
 class Run:

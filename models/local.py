@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.compat import check_pair
-from models.demo import DEMO_DRAFT, DEMO_TARGET, demo_pair_paths
+from models.demo import RECIPES
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
 from models.hub import cached_ggufs
@@ -33,8 +33,12 @@ def local_models() -> tuple[list[LocalModel], str | None]:
     """Store entries, the demo pair (if built) and GGUF files in the HF cache, each once; plus a store warning."""
     store = ModelStore()
     named: list[tuple[str, Path]] = [(m.alias, m.path) for m in store.all().values()]
-    demo = demo_pair_paths()
-    named += [(DEMO_TARGET, demo.target), (DEMO_DRAFT, demo.draft)]
+    for recipe in RECIPES:
+        try:
+            pair = recipe.paths()
+        except ModelError:  # its package is not installed
+            continue
+        named += [(recipe.target_alias, pair.target), (recipe.draft_alias, pair.draft)]
     named += [(f"{HF_PREFIX}{f.repo}:{f.filename}", f.path) for f in cached_ggufs() if f.path is not None]
     seen: set[Path] = set()
     out: list[LocalModel] = []

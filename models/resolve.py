@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from models.catalog import CatalogModel, load_catalog
-from models.demo import DEMO_DRAFT, DEMO_TARGET, ensure_demo_pair
+from models.demo import CHAT_DRAFT, CHAT_TARGET, DEMO_DRAFT, DEMO_TARGET, Quantize, ensure_demo_pair, recipe_for
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
 from models.hub import HubModel, cached_ggufs, match_files, pick_file
@@ -27,7 +27,8 @@ from models.remote_header import remote_model_header
 from models.store import ModelStore
 
 HF_PREFIX = "hf:"
-REF_HELP = (f"a model is a .gguf path, '{DEMO_TARGET}', '{DEMO_DRAFT}', an alias from `specchat models list`, "
+REF_HELP = (f"a model is a .gguf path, a bundled demo model ('{CHAT_TARGET}', '{CHAT_DRAFT}', '{DEMO_TARGET}', "
+            f"'{DEMO_DRAFT}'), an alias from `specchat models list`, "
             "a catalog alias from `specchat models pairs`, or hf:OWNER/REPO[:QUANT]")
 
 
@@ -85,11 +86,20 @@ def cached_model(model: HubModel) -> Path | None:
     return next(f.path for f in files if f.filename == name)
 
 
-def resolve_local(ref: str, progress: Callable[[str], None] = lambda _msg: None) -> Path | None:
-    """The local file `ref` names; None for a catalog or hf: model that is not downloaded yet."""
-    if ref in (DEMO_TARGET, DEMO_DRAFT):
-        pair = ensure_demo_pair(progress)
-        return pair.target if ref == DEMO_TARGET else pair.draft
+def resolve_local(ref: str, progress: Callable[[str], None] = lambda _msg: None,
+                  quantize: Quantize | None = None) -> Path | None:
+    """The local file `ref` names; None for a catalog or hf: model that is not downloaded yet.
+
+    A demo pair not built yet is built with `quantize` (llama.cpp's quantizer, passed in by the app).
+    """
+    recipe = recipe_for(ref)
+    if recipe is not None:
+        pair = recipe.paths()
+        if not (pair.target.exists() and pair.draft.exists()):
+            if quantize is None:
+                raise ModelError(f"{ref} is not built yet: `specchat chat -m {recipe.target_alias}` builds it")
+            pair = ensure_demo_pair(progress, quantize, recipe)
+        return pair.target if ref == recipe.target_alias else pair.draft
     stored = ModelStore().get(ref)
     if stored is not None and stored.path.exists():
         return stored.path
@@ -102,8 +112,9 @@ def resolve_local(ref: str, progress: Callable[[str], None] = lambda _msg: None)
     raise ModelError(f"{ref}: no such file ({REF_HELP})")
 
 
-def resolve_model(ref: str, progress: Callable[[str], None] = lambda _msg: None) -> Path:
-    path = resolve_local(ref, progress)
+def resolve_model(ref: str, progress: Callable[[str], None] = lambda _msg: None,
+                  quantize: Quantize | None = None) -> Path:
+    path = resolve_local(ref, progress, quantize)
     if path is None:
         raise ModelError(f"{ref} is not downloaded yet: run `specchat models pull {ref}`")
     return path
@@ -116,9 +127,9 @@ class ModelHeader:
 
 
 def model_header(ref: str, progress: Callable[[str], None] = lambda _msg: None,
-                 offline: bool | None = None) -> ModelHeader:
+                 offline: bool | None = None, quantize: Quantize | None = None) -> ModelHeader:
     """The GGUF header of a reference: from the local file, or read remotely before anything is downloaded."""
-    path = resolve_local(ref, progress)
+    path = resolve_local(ref, progress, quantize)
     if path is not None:
         return ModelHeader(validate_gguf(path), "local")
     model = single_hub_model(ref)

@@ -66,9 +66,10 @@ def small_engine(tiny: TinyFiles) -> Engine:
 @pytest.fixture(scope="session")
 def demo_pair():
     """The real Gemma 3 270M pair (F32 target, Q3_K_M draft), built once into the data dir."""
+    from app.loading import quantize
     from models.demo import ensure_demo_pair
 
-    return ensure_demo_pair(lambda msg: print(msg, file=sys.stderr))
+    return ensure_demo_pair(lambda msg: print(msg, file=sys.stderr), quantize)
 
 
 @pytest.fixture(scope="session")

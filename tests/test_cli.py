@@ -28,7 +28,8 @@ def test_text_on_stdout_stats_on_stderr(tiny) -> None:
 
 
 def test_json_lines_parse_and_done_tokens_decode_to_text(tiny) -> None:
-    r = _cli("run", "once upon a time", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--json")
+    r = _cli("run", "once upon a time", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--json",
+             "--temp", "0")
     assert r.returncode == 0, r.stderr
     events = [json.loads(line) for line in r.stdout.splitlines()]
     assert events[0]["type"] == "prefilled" and events[-1]["type"] == "done"
@@ -46,8 +47,9 @@ def test_json_lines_parse_and_done_tokens_decode_to_text(tiny) -> None:
 
 
 def test_prompt_from_stdin_matches_argument(tiny) -> None:
-    a = _cli("run", "the dog ran", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color")
-    b = _cli("run", "-", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", stdin="the dog ran")
+    a = _cli("run", "the dog ran", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", "--temp", "0")
+    b = _cli("run", "-", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", "--temp", "0",
+             stdin="the dog ran")
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
 
 
@@ -85,10 +87,11 @@ def test_sps_without_draft_is_a_user_error(tiny) -> None:
 
 
 def test_stop_string_ends_generation(tiny) -> None:
-    full = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json")
+    full = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json", "--temp", "0")
     text = json.loads(full.stdout.splitlines()[-1])["text"]
     stop = text[10:13]
-    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json", "--stop", stop)
+    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-s", "ar", "-n", "40", "--json", "--temp", "0",
+             "--stop", stop)
     done = json.loads(r.stdout.splitlines()[-1])
     assert done["reason"] == "stop" and done["text"] == text[: text.index(stop)]
 

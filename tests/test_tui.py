@@ -24,7 +24,8 @@ PROMPT = "Once upon a time"
 
 
 def cli_text(capsys: pytest.CaptureFixture[str], prompt: str, target: Path, draft: Path, *flags: str) -> str:
-    assert main(["run", prompt, "-m", str(target), "-md", str(draft), "-t", "1", "--no-color", *flags]) == 0
+    assert main(["run", prompt, "-m", str(target), "-md", str(draft), "-t", "1", "--no-color", "--temp", "0",
+                 *flags]) == 0
     return capsys.readouterr().out.removesuffix("\n")
 
 

@@ -21,8 +21,9 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, ProgressBar
 
-from app.chat_template import ChatTemplateError
 from app.conversations import Conversation, ConversationStore, new_conversation_id, now_iso
+from app.errors import describe
+from app.loading import open_engine
 from app.session import ChatSession, TurnRequest, measure_plain_decoding
 from app.settings import CHAT_N_SEQ_MAX, Settings
 from app.tui.history_screen import HistoryScreen
@@ -32,11 +33,8 @@ from app.tui.stats_bar import StatsBar, turn_label
 from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
-from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, EngineConfig, n_seq_needed
+from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, n_seq_needed
 from backends.events import Done
-from backends.run import PromptError
-from models.errors import ModelError
-from models.resolve import resolve_model
 
 # Settings whose change needs the models loaded again.
 RELOAD_FIELDS = ("target", "draft", "n_ctx", "threads", "n_gpu_layers", "n_gpu_layers_draft")
@@ -70,11 +68,6 @@ class TurnFailed(Message):
     def __init__(self, error: str) -> None:
         super().__init__()
         self.error = error
-
-
-def _describe(e: Exception) -> str:
-    user_facing = (ModelError, PromptError, ChatTemplateError, ValueError, OSError)
-    return str(e) if isinstance(e, user_facing) else f"{type(e).__name__}: {e}"
 
 
 class ChatScreen(Screen):
@@ -166,21 +159,13 @@ class ChatScreen(Screen):
             with self._engine_lock:
                 if old is not None:
                     old.close()  # before loading: two big models at once may not fit in memory
-                assert settings.target is not None
-                target = resolve_model(settings.target, lambda msg: post(LoadProgress(msg)))
-                draft = resolve_model(settings.draft, lambda msg: post(LoadProgress(msg))) if settings.draft else None
-                post(LoadProgress(f"loading {target.name}" + (f" + {draft.name}" if draft else "")))
-                engine = Engine(EngineConfig(
-                    target=target, draft=draft, n_ctx=settings.n_ctx, threads=settings.threads,
-                    n_gpu_layers=settings.n_gpu_layers, n_gpu_layers_draft=settings.n_gpu_layers_draft,
-                    n_seq_max=CHAT_N_SEQ_MAX,
-                ))
+                engine = open_engine(settings, CHAT_N_SEQ_MAX, lambda msg: post(LoadProgress(msg)), announce=True)
             post(ModelLoaded(engine))
             if self.calibrate:
                 with self._engine_lock:
                     post(BaselineMeasured(measure_plain_decoding(engine)))
         except Exception as e:  # shown in the app; the app stays open
-            post(LoadFailed(_describe(e)))
+            post(LoadFailed(describe(e)))
 
     def on_load_progress(self, message: LoadProgress) -> None:
         self.stats.show(state=message.text)
@@ -242,7 +227,7 @@ class ChatScreen(Screen):
             try:
                 stream_events(request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message)
             except Exception as e:  # a prompt that does not fit, a template error, a bad setting
-                self.post_message(TurnFailed(_describe(e)))
+                self.post_message(TurnFailed(describe(e)))
 
     def on_prompt_decoded(self, message: PromptDecoded) -> None:
         p = message.prefilled

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from backends.events import Event
-from backends.kv import CacheRollbackError, ContextFullError
-from backends.llama import DecodeError
+from backends.errors import CacheRollbackError, ContextFullError, DecodeError
 from backends.run import Run
 from backends.sampling import GenParams
 

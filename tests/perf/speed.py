@@ -28,6 +28,7 @@ from backends.sampling import GenParams  # noqa: E402
 from backends.strategies.lookahead import LookaheadConfig  # noqa: E402
 from backends.strategies.lookup import LookupConfig  # noqa: E402
 from backends.strategies.sps import SpsConfig  # noqa: E402
+from app.loading import quantize  # noqa: E402
 from models.demo import ensure_demo_pair  # noqa: E402
 
 PROMPTS = [
@@ -106,7 +107,7 @@ def main() -> None:
     ap.add_argument("--no-llama", action="store_true", help="skip the llama-cpp-python Llama baseline")
     ap.add_argument("--temp", type=float, nargs="+", default=[0.0, 0.8])
     args = ap.parse_args()
-    pair = ensure_demo_pair(lambda m: print(m, file=sys.stderr))
+    pair = ensure_demo_pair(lambda m: print(m, file=sys.stderr), quantize)
     n_ctx = 2048
     prompts = humaneval_copy_prompts(args.humaneval) if args.humaneval else PROMPTS
     engine = Engine(EngineConfig(target=pair.target, draft=pair.draft, n_ctx=n_ctx, threads=args.threads, n_seq_max=64))
