@@ -18,7 +18,8 @@ from typing import Callable
 
 from app.prompt_sets import BenchPrompt
 from backends.cost import BatchCost, best_chain_speedup, measure_device_cost, predicted_speedup
-from backends.engine import Engine, StrategyOptions
+from backends.config import StrategyOptions
+from backends.engine import Engine
 from backends.events import Done, until_done
 from backends.sampling import GenParams
 

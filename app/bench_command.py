@@ -6,43 +6,24 @@ import argparse
 import json
 import platform
 import sys
-from dataclasses import replace
 from pathlib import Path
 from app.bench import BenchConfig, format_table, measure_costs, print_progress, run_bench
 from app.bench_plot import write_plot
-from app.render import strategy_label
 from app.chat_template import ChatMessage
 from app.loading import open_engine
 from app.prompt_format import PromptFormat
 from app.prompt_sets import BenchPrompt, load_prompt_set
 from app.settings import Settings
-from backends.engine import NEEDS_DRAFT, STRATEGIES, StrategyOptions, n_seq_needed
+from backends.config import StrategyOptions
+from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec, strategy_label
 from backends.llama import default_threads
-
-SWEEP_SPS = [(k, p) for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]
-SWEEP_LOOKAHEAD = [(2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15)]
-SWEEP_LOOKUP = [(4, 3), (10, 3), (16, 3), (10, 2)]
-# (depth, top_k, nodes, shape): nodes "auto" picks M per step from the measured cost curve.
-SWEEP_TREE = [(3, 2, 6, "dynamic"), (5, 2, 10, "dynamic"), (4, 3, 12, "dynamic"), (6, 2, 12, "dynamic"),
-              (4, 2, "auto", "dynamic"), (5, 3, "auto", "dynamic"), (6, 4, 12, "static"), (8, 4, "auto", "static")]
-
 
 def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> list[BenchConfig]:
     configs = [BenchConfig("ar", "ar")]
     for name in names:
         if name == "ar":
             continue
-        grid = [options]
-        if sweep and name == "sps":
-            grid += [replace(options, sps=replace(options.sps, draft_max=k, p_min=p)) for k, p in SWEEP_SPS]
-        elif sweep and name == "lookahead":
-            grid += [replace(options, lookahead=replace(options.lookahead, window=w, ngram=n, guesses=g))
-                     for w, n, g in SWEEP_LOOKAHEAD]
-        elif sweep and name == "tree":
-            grid += [replace(options, tree=replace(options.tree, depth=d, top_k=k, nodes=m, shape=shape))
-                     for d, k, m, shape in SWEEP_TREE]
-        elif sweep and name == "lookup":
-            grid += [replace(options, lookup=replace(options.lookup, draft_max=k, ngram_max=n)) for k, n in SWEEP_LOOKUP]
+        grid = [options] + (spec(name).sweep(options) if sweep else [])
         seen = set()
         for opt in grid:
             label = strategy_label(name, opt)

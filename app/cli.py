@@ -21,26 +21,14 @@ from app.loading import open_engine
 from app.models_command import add_models_parser, run_models
 from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
-from app.render import TextView, event_json, stats_lines
+from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, GENERATION, Settings, apply_flags
-from backends.engine import NEEDS_DRAFT, StrategyOptions, n_seq_needed
+from backends.config import AUTO, SHAPES, LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions, TreeConfig
+from backends.registry import DEFAULT_STRATEGY, NEEDS_DRAFT, REGISTRY, n_seq_needed
 from backends.events import Done
 from backends.sampling import GenParams
-from backends.strategies.lookahead import LookaheadConfig
-from backends.strategies.lookup import LookupConfig
-from backends.strategies.sps import SpsConfig
-from backends.strategies.tree import AUTO, SHAPES, TreeConfig
 
 DEMO_PROMPT = "Once upon a time, in a small village,"
-LEGEND = "speculation view: accepted draft = green, rejected draft = red struck through, " \
-         "target's correction = blue, target's own token = default"
-STRATEGY_HELP = {
-    "ar": "plain decoding",
-    "sps": "draft-model speculative sampling",
-    "lookahead": "lookahead decoding (Jacobi window + n-gram pool)",
-    "lookup": "prompt lookup decoding",
-    "tree": "token-tree speculation (EAGLE-2 dynamic tree, SpecInfer verification)",
-}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -185,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup",
                        help="comma-separated strategies, of ar,sps,tree,lookahead,lookup "
                             "(default: ar,sps,lookahead,lookup; sps and tree only with -md)")
-    bench.add_argument("--prompts", default="builtin", help="builtin, humaneval, or a JSONL file (default: builtin)")
+    bench.add_argument("--prompts", default="builtin", help="builtin, chat (instruct requests), humaneval, or a JSONL file (default: builtin)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
@@ -208,8 +196,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-s", "--strategy", default="sps", choices=list(STRATEGY_HELP),
-                   help="; ".join(f"{k}: {v}" for k, v in STRATEGY_HELP.items()) + " (default: sps)")
+    p.add_argument("-s", "--strategy", default=DEFAULT_STRATEGY, choices=list(REGISTRY),
+                   help="; ".join(f"{k}: {v.help}" for k, v in REGISTRY.items()) + f" (default: {DEFAULT_STRATEGY})")
 
 
 def _read_prompt(arg: str | None) -> str:

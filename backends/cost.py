@@ -15,13 +15,16 @@ M nodes (`best_tree_size`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
-import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from backends.kv import KvSequence
+from models.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,17 @@ class DeviceCost:
 
     batch: BatchCost
     draft: float
+    measured_at: float = 0.0  # time.time() of the measurement
+
+    def as_json(self) -> dict[str, object]:
+        return {"seconds": list(self.batch.seconds), "draft": self.draft, "measured_at": self.measured_at}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DeviceCost":
+        seconds = tuple(float(x) for x in data["seconds"])
+        if len(seconds) < 2 or min(seconds) <= 0:
+            raise ValueError("a cost curve needs at least two positive times")
+        return cls(BatchCost(seconds), float(data["draft"]), float(data.get("measured_at", 0.0)))
 
 
 def measure_device_cost(
@@ -78,34 +92,72 @@ def measure_device_cost(
     draft_cost = 0.0
     if draft is not None:
         draft_cost = measure_batch_cost(draft, context, 1, repeats=max(repeats, 5)).seconds[0] / batch.seconds[0]
-    return DeviceCost(batch, draft_cost)
+    return DeviceCost(batch, draft_cost, time.time())
 
 
-# One measurement per target context (an engine's strategies share it), with the draft it was paired with.
-_MEASURED: "weakref.WeakKeyDictionary[KvSequence, tuple[weakref.ref[KvSequence], DeviceCost]]" = \
-    weakref.WeakKeyDictionary()
+def file_identity(path: Path | None) -> list[object]:
+    """What changes when a model file is replaced: its path, size and modification time."""
+    if path is None:
+        return []
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
-def cached_device_cost(target: KvSequence, draft: KvSequence, k_max: int = 16, repeats: int = 2) -> DeviceCost | None:
-    """The device's costs, measured on first use after what the target's cache holds, which it holds again after.
+def cost_key(target: Path, draft: Path | None, threads: int, build: str, placement: object) -> str:
+    """One measurement per (model files, threads, llama.cpp build, where the layers run)."""
+    ident = json.dumps([file_identity(target), file_identity(draft), threads, build, placement], default=str)
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
-    Cheap by design (k up to 16, 2 repeats) because it runs inside the first
-    generation. Measuring only appends cells to the target's sequence 0 and
-    removes them, so the cache and its invariants are as before; the draft's
-    cache is synced to the same tokens (a strategy's prefill leaves both at
-    prompt[:-1], so that decodes nothing). None when the context has no room
-    for a batch of 2 (too little to compare); the next call tries again.
+
+class CostCache:
+    """Device costs measured before, in one JSON file, so a new session's first turn pays no calibration.
+
+    An entry older than `max_age` seconds is stale (a driver or power-profile
+    change does not alter the key); an unreadable file counts as empty and is
+    rewritten atomically on the next measurement.
     """
-    hit = _MEASURED.get(target)
-    if hit is not None and hit[0]() is draft:
-        return hit[1]
-    context = list(target.tokens)
-    k_max = min(k_max, target.n_ctx - len(context), target.batch.capacity)
-    if k_max < 2:
-        return None
-    cost = measure_device_cost(target, draft, context, k_max, repeats)
-    _MEASURED[target] = (weakref.ref(draft), cost)
-    return cost
+
+    def __init__(self, path: Path | None, max_age: float = 30 * 24 * 3600) -> None:
+        self.path = path
+        self.max_age = max_age
+
+    def _load(self) -> dict[str, dict]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str, now: float | None = None) -> DeviceCost | None:
+        entry = self._load().get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            cost = DeviceCost.from_json(entry)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if (now if now is not None else time.time()) - cost.measured_at > self.max_age:
+            return None
+        return cost
+
+    def put(self, key: str, cost: DeviceCost | None) -> None:
+        """Store `cost` under `key` (None: forget the entry)."""
+        if self.path is None:
+            return
+        data = self._load()
+        if cost is None:
+            data.pop(key, None)
+        else:
+            data[key] = cost.as_json()
+        try:
+            write_atomic(self.path, json.dumps(data, indent=1) + "\n")
+        except OSError:
+            pass  # a cache that cannot be written only costs a new measurement next time
+
+    def drop(self, key: str) -> None:
+        self.put(key, None)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

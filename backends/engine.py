@@ -11,29 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from backends.config import AUTO_K_MAX, StrategyOptions
+from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence
-from backends.llama import ContextConfig, LlamaContext, LlamaModel
-from backends.strategies.ar import Autoregressive
+from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads
+from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
 from backends.strategies.base import Strategy
-from backends.strategies.lookahead import LookaheadConfig, LookaheadDecoding
-from backends.strategies.lookup import LookupConfig, PromptLookup
-from backends.strategies.sps import SpeculativeSampling, SpsConfig
-from backends.strategies.tree import TreeConfig, TreeSpeculation
 from models.compat import require_compatible
-from models.errors import ModelError
 from models.gguf_info import validate_gguf
+from models.paths import data_dir
 
-STRATEGIES = ("ar", "sps", "lookahead", "lookup", "tree")
-NEEDS_DRAFT = frozenset({"sps", "tree"})
-
-
-def n_seq_needed(strategy: str, options: "StrategyOptions") -> int:
-    """Sequence ids the contexts need: lookahead W+G+1, a tree one per path (and per drafted node)."""
-    if strategy == "lookahead":
-        return options.lookahead.n_seq_max
-    if strategy == "tree":
-        return max(options.tree.target_seqs, options.tree.draft_seqs)
-    return 1
+__all__ = ["Engine", "EngineConfig", "StrategyOptions", "STRATEGIES", "NEEDS_DRAFT", "n_seq_needed"]
+COST_CACHE_FILE = "device-cost.json"
 
 
 @dataclass(frozen=True)
@@ -49,16 +38,8 @@ class EngineConfig:
     rpc: tuple[str, ...] = ()
     # Sequence ids the contexts allow (see n_seq_needed).
     n_seq_max: int = 1
-
-
-@dataclass(frozen=True)
-class StrategyOptions:
-    """Settings of every strategy; each takes its own part."""
-
-    sps: SpsConfig = SpsConfig()
-    lookahead: LookaheadConfig = LookaheadConfig()
-    lookup: LookupConfig = LookupConfig()
-    tree: TreeConfig = TreeConfig()
+    # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept.
+    cost_cache: Path | None = None
 
 
 class Engine:
@@ -76,26 +57,54 @@ class Engine:
         if config.draft is not None:
             self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
             self.draft = KvSequence(LlamaContext(self.draft_model, ctx_config))
+        cache_path = config.cost_cache if config.cost_cache is not None else data_dir() / COST_CACHE_FILE
+        self._cost_cache = CostCache(cache_path if str(cache_path) else None)
+        self._cost: DeviceCost | None = None
+        # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation.
+        self.auto_state: object | None = None
 
     def tokenize(self, text: str) -> list[int]:
         return self.target_model.tokenize(text, add_special=True, parse_special=True)
 
     def strategy(self, name: str, options: StrategyOptions = StrategyOptions()) -> Strategy:
-        if name == "ar":
-            return Autoregressive(self.target)
-        if name == "sps":
-            if self.draft is None:
-                raise ModelError("strategy 'sps' needs a draft model (-md DRAFT)")
-            return SpeculativeSampling(self.target, self.draft, options.sps)
-        if name == "lookahead":
-            return LookaheadDecoding(self.target, options.lookahead)
-        if name == "lookup":
-            return PromptLookup(self.target, options.lookup)
-        if name == "tree":
-            if self.draft is None:
-                raise ModelError("strategy 'tree' needs a draft model (-md DRAFT)")
-            return TreeSpeculation(self.target, self.draft, options.tree)
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+        """The named strategy over this engine's models and caches (backends.registry)."""
+        return spec(name).build(self, options)
+
+    # -- the device's measured cost -----------------------------------------
+
+    def _cost_key(self) -> str:
+        c = self.config
+        placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch]
+        return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
+
+    def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2) -> DeviceCost | None:
+        """This device's batch cost curve and draft cost: from the cache on disk, else measured now.
+
+        Measured once per (model files, threads, llama.cpp build, placement)
+        and kept on disk, so later sessions pay nothing; measuring takes about
+        a second, right after a prefill (it appends cells after what the
+        target's cache holds and removes them, and syncs the draft's cache to
+        the same tokens). None when the context has no room for a batch of 2
+        yet; the next call tries again.
+        """
+        if self._cost is not None:
+            return self._cost
+        key = self._cost_key()
+        self._cost = self._cost_cache.get(key)
+        if self._cost is not None:
+            return self._cost
+        context = list(self.target.tokens)
+        k_max = min(k_max, self.target.n_ctx - len(context), self.target.batch.capacity)
+        if k_max < 2 or not context:
+            return None
+        self._cost = measure_device_cost(self.target, self.draft, context, k_max, repeats)
+        self._cost_cache.put(key, self._cost)
+        return self._cost
+
+    def invalidate_cost(self) -> None:
+        """Forget the measured costs (they no longer match what this device does): measured anew next time."""
+        self._cost = None
+        self._cost_cache.drop(self._cost_key())
 
     def close(self) -> None:
         for seq in (self.target, self.draft):

@@ -1,4 +1,4 @@
-"""The engine's event stream (SPEC section 4).
+"""The engine's event stream.
 
 Every strategy yields, in order: one `Prefilled`, then per target forward pass
 any number of `Token`s followed by one `StepEnd`, then one `Done`. The CLI and
@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Union
 
 TokenKind = Literal["accepted", "target", "rejected"]
+# Who proposed a token: the draft model, prompt lookup, lookahead's n-gram pool, or nobody (the target's own).
+Source = Literal["draft", "lookup", "lookahead", "target"]
+SOURCES: tuple[Source, ...] = ("draft", "lookup", "lookahead", "target")
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 ACCEPTED: TokenKind = "accepted"
@@ -38,26 +41,35 @@ class Token:
     anything that might begin a stop string held back. Rejected tokens carry
     their own piece for display only.
     `correction` marks a target token sampled right after a rejection.
+    `source` says who proposed it: a drafter for accepted and rejected
+    tokens, "target" for the target's own.
     """
 
     id: int
     text: str
     kind: TokenKind
     correction: bool = False
+    source: Source = "target"
 
 
 @dataclass(frozen=True)
 class StepEnd:
-    """One target forward pass is finished."""
+    """One target forward pass is finished.
+
+    `choice` names what the step verified ("plain", "draft", "lookup",
+    "lookahead", "draft+lookup"); `why` is `auto`'s reason for it, in words.
+    """
 
     drafted: int
     accepted: int
     seconds: float
+    choice: str = ""
+    why: str = ""
 
 
 @dataclass(frozen=True)
 class GenStats:
-    """Totals of one generation; see SPEC section 4 for the meaning of each field."""
+    """Totals of one generation (README: `--json`'s stats)."""
 
     strategy: str
     prompt_tokens: int
@@ -70,6 +82,8 @@ class GenStats:
     accepted: int
     accepted_per_position: tuple[int, ...] = ()
     drafted_per_position: tuple[int, ...] = ()
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # output tokens by who proposed them
+    steps_by_choice: dict[str, int] = field(default_factory=dict)  # target forwards by what they verified
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -101,6 +115,8 @@ class GenStats:
             "mean_accepted_per_forward": round(self.mean_accepted_per_forward, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
+            "tokens_by_source": dict(self.tokens_by_source),
+            "steps_by_choice": dict(self.steps_by_choice),
             **self.extra,
         }
 

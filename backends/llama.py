@@ -89,6 +89,13 @@ def _use_extra_buffer_types() -> bool:
     return not (_cpu_has_amx() and _build_has_amx())
 
 
+def build_info() -> str:
+    """This llama.cpp build: version and compiled-in features (a rebuild changes the device's costs)."""
+    _ensure_backend()
+    return f"llama-cpp-python {llama_cpp.__version__}: " + (llama_cpp.llama_print_system_info() or b"").decode(
+        "utf-8", errors="replace").strip()
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 

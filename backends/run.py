@@ -1,7 +1,7 @@
 """Bookkeeping shared by every strategy: output, stop conditions, events, stats.
 
 A strategy decides which tokens to propose and how to verify them; `Run`
-turns its decisions into the event stream of SPEC section 4 and tracks why
+turns its decisions into the event stream (backends.events) and tracks why
 generation ends (end-of-generation token, max tokens, full context, stop
 string, cancellation).
 
@@ -16,7 +16,7 @@ import time
 from typing import Callable, Sequence
 
 from backends.errors import PromptError
-from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, StepEnd, Token
+from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, Source, StepEnd, Token
 from backends.llama import LlamaModel
 from backends.sampling import GenParams, make_rng
 from backends.text import TextStream
@@ -51,6 +51,8 @@ class Run:
         self.accepted = 0
         self.accepted_at: list[int] = []
         self.drafted_at: list[int] = []
+        self.by_source: dict[str, int] = {}
+        self.by_choice: dict[str, int] = {}
         self.extra: dict[str, object] = {}
 
     # -- phases -------------------------------------------------------------
@@ -81,42 +83,47 @@ class Run:
 
     # -- tokens of one step -------------------------------------------------
 
-    def commit(self, token: int, kind: str, correction: bool = False) -> Token | None:
+    def commit(self, token: int, kind: str, correction: bool = False, source: Source = "target") -> Token | None:
         """Add a verified token to the output. Returns its event, or None for an end-of-generation token."""
         if self.model.is_eog(token):
             self.reason = "eos"
             return None
+        if kind == TARGET:
+            source = "target"
         self.output.append(token)
         self.context.append(token)
+        self.by_source[source] = self.by_source.get(source, 0) + 1
         text = self._stream.push(token)
         if self._stream.stopped:
             self.reason = "stop"
         elif len(self.output) >= self.params.max_tokens or len(self.context) > self.n_ctx:
             self.reason = "length"
-        return Token(token, text, kind, correction)  # type: ignore[arg-type]
+        return Token(token, text, kind, correction, source)  # type: ignore[arg-type]
 
-    def commit_step(self, proposals: Sequence[int], n_accepted: int, next_token: int) -> list[Token]:
+    def commit_step(self, proposals: Sequence[int], n_accepted: int, next_token: int,
+                    source: Source = "draft") -> list[Token]:
         """Events of a verified chain: accepted proposals, the first refused one, then the target's token."""
         events: list[Token] = []
         for tok in proposals[:n_accepted]:
-            ev = self.commit(tok, ACCEPTED)
+            ev = self.commit(tok, ACCEPTED, source=source)
             if ev is not None:
                 events.append(ev)
             if self.reason is not None:
                 return events
         rejected = n_accepted < len(proposals)
         if rejected:
-            events.append(self.rejected(proposals[n_accepted]))
+            events.append(self.rejected(proposals[n_accepted], source))
         ev = self.commit(next_token, TARGET, correction=rejected)
         if ev is not None:
             events.append(ev)
         return events
 
-    def rejected(self, token: int) -> Token:
-        return Token(token, self.model.piece(token).decode("utf-8", errors="replace"), REJECTED)
+    def rejected(self, token: int, source: Source) -> Token:
+        return Token(token, self.model.piece(token).decode("utf-8", errors="replace"), REJECTED, source=source)
 
-    def end_step(self, drafted: int, accepted: int) -> StepEnd:
+    def end_step(self, drafted: int, accepted: int, choice: str, why: str = "") -> StepEnd:
         self.forwards += 1
+        self.by_choice[choice] = self.by_choice.get(choice, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
         for counts, n in ((self.drafted_at, drafted), (self.accepted_at, accepted)):
@@ -126,7 +133,7 @@ class Run:
                 counts[i] += 1
         now = time.perf_counter()
         seconds, self._step_t0 = now - self._step_t0, now
-        return StepEnd(drafted, accepted, seconds)
+        return StepEnd(drafted, accepted, seconds, choice, why)
 
     # -- the end ------------------------------------------------------------
 
@@ -143,6 +150,8 @@ class Run:
             accepted=self.accepted,
             accepted_per_position=tuple(self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))),
             drafted_per_position=tuple(self.drafted_at),
+            tokens_by_source=dict(self.by_source),
+            steps_by_choice=dict(self.by_choice),
             extra=dict(self.extra),
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.cost import BatchCost, DeviceCost, best_tree_size, cached_device_cost
+from backends.cost import BatchCost, DeviceCost, best_tree_size
 from backends.engine import Engine, StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.tree import AUTO, AUTO_K_MAX, TreeConfig, TreeSpeculation
@@ -157,7 +157,7 @@ def test_auto_budget_in_a_real_run(tiny_engine: Engine) -> None:
     strategy, done = _auto_run(tiny_engine, None)
     assert strategy.cost is not None and len(strategy.cost.batch.seconds) == AUTO_K_MAX
     assert strategy.cost.draft > 0
-    assert cached_device_cost(tiny_engine.target, tiny_engine.draft) is strategy.cost, "measured once per engine"
+    assert tiny_engine.device_cost() is strategy.cost, "measured once per engine"
     assert done.tokens == ref.tokens
     assert 0 < done.stats.extra["mean_tree_nodes"] <= done.stats.extra["mean_drafted_nodes"]
 

@@ -33,7 +33,8 @@ from app.tui.stats_bar import StatsBar, turn_label
 from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
-from backends.engine import NEEDS_DRAFT, STRATEGIES, Engine, n_seq_needed
+from backends.engine import Engine
+from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed
 from backends.events import Done
 
 # Settings whose change needs the models loaded again.
@@ -249,7 +250,8 @@ class ChatScreen(Screen):
             self._plain_speeds.append(stats.tokens_per_second)
             self.stats.show(baseline=statistics.median(self._plain_speeds))
         # A turn stopped before its first token has no figures worth showing.
-        live = LiveStats.from_stats(stats) if stats.generated_tokens else None
+        last_why = self.stats.live.why if self.stats.live is not None else ""
+        live = replace(LiveStats.from_stats(stats), why=last_why) if stats.generated_tokens else None
         self.stats.show(live=live, state=f"done: {done.reason}")
         if done.reason == "error":
             self._note(f"generation failed: {done.error}", "error")

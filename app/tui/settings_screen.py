@@ -18,8 +18,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch
 
 from app.settings import Settings, get_path, with_path
-from backends.engine import STRATEGIES
-from backends.strategies.tree import AUTO
+from backends.registry import STRATEGIES
+from backends.config import AUTO
 
 # (path in Settings, label); the strategy is a Select, booleans are Switches.
 FIELDS: tuple[tuple[str, str], ...] = (

@@ -7,9 +7,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from app.render import strategy_label
+from backends.registry import strategy_label
 from app.tui.streaming import LiveStats
-from backends.engine import StrategyOptions
+from backends.config import StrategyOptions
 from backends.sampling import GenParams
 
 
@@ -43,8 +43,11 @@ class StatsBar(Static):
         """Two lines: what runs and what it is doing; then the figures of the last or current turn."""
         text = Text()
         text.append(self.label, style="bold")
-        text.append(f"  ·  {self.state}\n")
+        text.append(f"  ·  {self.state}")
         live = self.live
+        if live is not None and live.why:
+            text.append(f"  ·  {live.strategy}: {live.why}", style="italic")
+        text.append("\n")
         if live is not None:
             acc = "—" if live.acceptance_rate is None else f"{100 * live.acceptance_rate:.0f}%"
             text.append(f"accepted {acc}  │  {live.tokens_per_forward:.2f} tokens/forward  │  "
@@ -54,6 +57,9 @@ class StatsBar(Static):
                 text.append("  │  ")
                 text.append(f"{speedup:.2f}×", style="bold green" if speedup >= 1 else "bold red")
                 text.append(f" vs plain decoding ({self.baseline:.1f} tok/s here)")
+            share = live.source_share()
+            if share:
+                text.append(f"  │  {share}")
         elif self.baseline:
             text.append(f"plain decoding here: {self.baseline:.1f} tok/s")
         return text

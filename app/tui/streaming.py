@@ -15,7 +15,7 @@ bar moves while the answer streams; the final figures are `Done.stats`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from textual.message import Message
@@ -33,6 +33,15 @@ class LiveStats:
     accepted: int
     forwards: int
     seconds: float
+    by_source: tuple[tuple[str, int], ...] = ()  # output tokens by who proposed them
+    why: str = ""  # auto: what it chooses now, and why
+
+    def source_share(self) -> str:
+        """e.g. 'draft 41% · lookup 12% · target 47%' (empty when every token is the target's own)."""
+        total = sum(n for _, n in self.by_source)
+        if not total or all(s == "target" for s, _ in self.by_source):
+            return ""
+        return " · ".join(f"{s} {100 * n / total:.0f}%" for s, n in sorted(self.by_source))
 
     @property
     def tokens_per_second(self) -> float:
@@ -49,7 +58,7 @@ class LiveStats:
     @classmethod
     def from_stats(cls, stats: GenStats) -> "LiveStats":
         return cls(stats.strategy, stats.generated_tokens, stats.drafted, stats.accepted,
-                   stats.target_forwards, stats.decode_seconds)
+                   stats.target_forwards, stats.decode_seconds, tuple(stats.tokens_by_source.items()))
 
 
 class TokensArrived(Message):
@@ -81,18 +90,24 @@ def stream_events(
     """Post the stream as coalesced messages; returns the `Done` event."""
     pending: list[Token] = []
     generated = drafted = accepted = forwards = 0
+    by_source: dict[str, int] = {}
+    why = ""
     started = last_post = clock()
     for event in events:
         if isinstance(event, Token):
             pending.append(event)
-            generated += event.kind != REJECTED
+            if event.kind != REJECTED:
+                generated += 1
+                by_source[event.source] = by_source.get(event.source, 0) + 1
         elif isinstance(event, StepEnd):
             forwards += 1
             drafted += event.drafted
             accepted += event.accepted
+            why = event.why or why
             now = clock()
             if pending and now - last_post >= interval:
-                live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started)
+                live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started,
+                                 tuple(by_source.items()), why)
                 post(TokensArrived(tuple(pending), live))
                 pending, last_post = [], now
         elif isinstance(event, Prefilled):
@@ -100,7 +115,7 @@ def stream_events(
             post(PromptDecoded(event))
         elif isinstance(event, Done):
             if pending:
-                post(TokensArrived(tuple(pending), LiveStats.from_stats(event.stats)))
+                post(TokensArrived(tuple(pending), replace(LiveStats.from_stats(event.stats), why=why)))
             post(TurnFinished(event))
             return event
     return None

@@ -33,6 +33,6 @@ class Autoregressive:
             ev = run.commit(tok, TARGET)
             if ev is not None:
                 yield ev
-            yield run.end_step(0, 0)
+            yield run.end_step(0, 0, "plain")
 
         return drive(run, lambda: self.target.sync(prompt[:-1], logits=False), step, should_stop)

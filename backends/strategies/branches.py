@@ -13,14 +13,15 @@ from typing import Generator, Sequence
 
 import numpy as np
 
-from backends.events import ACCEPTED, TARGET, Event
+from backends.events import ACCEPTED, TARGET, Event, Source
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
 from backends.verify import choose_among_candidates
 
 
-def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int]) -> Generator[Event, None, tuple[int, bool, bool]]:
+def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
+               source: Source) -> Generator[Event, None, tuple[int, bool, bool]]:
     """Commit the target's token at a position offered `offered`; yields its events.
 
     Returns (token, matched: it was one of the candidates, counted: it was
@@ -32,8 +33,9 @@ def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int]) -> Generato
         token = choose_among_candidates(probabilities(logits, run.params), offered, run.rng)
     matched = token in offered
     if offered and not matched:
-        yield run.rejected(offered[0])
-    ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched)
+        yield run.rejected(offered[0], source)
+    ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched,
+                    source=source)
     if ev is not None:
         yield ev
     return token, matched, ev is not None and matched

@@ -13,11 +13,11 @@ one-hot rule (accept with probability p(d)) when its proposals are deterministic
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
-from backends.events import Event
+from backends.events import Event, Source
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
@@ -45,10 +45,11 @@ def verify_chain(
 
 
 def chain_step(
-    run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None
-) -> Iterator[Event]:
-    """One forward pass over a chain: its token events and its StepEnd. Returns the verdict."""
+    run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None,
+    source: Source = "draft", why: str = "",
+) -> Generator[Event, None, Verdict]:
+    """One forward pass over a chain proposed by `source`: its token events and its StepEnd. Returns the verdict."""
     verdict = verify_chain(run, target, drafts, draft_dists)
-    yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token)
-    yield run.end_step(len(drafts), verdict.n_accepted)
+    yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token, source)
+    yield run.end_step(len(drafts), verdict.n_accepted, source if drafts else "plain", why)
     return verdict

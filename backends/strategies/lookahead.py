@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from backends.config import LookaheadConfig
 from backends.events import TARGET, Event
 from backends.kv import KvSequence
 from backends.run import Run
@@ -38,32 +39,6 @@ from backends.strategies.ngram_pool import NgramPool
 _WINDOW_INIT_TOKEN = 100
 
 
-@dataclass(frozen=True)
-class LookaheadConfig:
-    # Defaults: the best of a sweep on a 2-core CPU with the demo pair (README).
-    window: int = 2  # W
-    ngram: int = 3  # N
-    guesses: int = 2  # G
-    seed_pool_from_prompt: bool = False
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError("-W must be at least 1")
-        if self.ngram < 2:
-            raise ValueError("-N must be at least 2")
-        if self.guesses < 0:
-            raise ValueError("-G must be at least 0")
-
-    @property
-    def n_seq_max(self) -> int:
-        return self.window + self.guesses + 1
-
-    @property
-    def batch_size(self) -> int:
-        w, n, g = self.window, self.ngram, self.guesses
-        return 1 + g * (n - 1) + (w - 1) + w * (n - 2)
-
-
 @dataclass
 class _Batch:
     """Where each part of one lookahead batch landed (row indices for logits)."""
@@ -71,6 +46,106 @@ class _Batch:
     candidates: list[tuple[int, ...]]  # n-grams from the pool: tokens after the input
     candidate_rows: list[list[int]]  # [g][v]: row of the v-th token of candidate g's chain (v=0: input)
     last_level_rows: list[int]  # row per window column whose logits make the new last level
+
+
+class LookaheadWindow:
+    """One generation's lookahead state: the Jacobi window, the n-gram pool and the step counters.
+
+    `step(run)` runs one lookahead forward pass after the committed context
+    (the cache holds context[:-1]); `auto` drives the same object between its
+    other kinds of step, so the window and pool persist across them.
+    """
+
+    def __init__(self, target: KvSequence, config: LookaheadConfig, prompt: Sequence[int]) -> None:
+        self.target = target
+        self.config = config
+        W, N = config.window, config.ngram
+        self.pool = NgramPool(config.guesses)
+        if config.seed_pool_from_prompt:
+            self.pool.seed(prompt, N - 1)
+        n_vocab = target.ctx.n_vocab
+        self.window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
+        self.accepted_hist = [0] * N
+        self.batch_tokens = 0  # tokens decoded by all forwards, for the cost model (backends.cost)
+
+    @property
+    def n_seqs(self) -> int:
+        return self.config.n_seq_max
+
+    def fits(self, run: Run) -> bool:
+        """Room in the context for a whole window after the committed text."""
+        return len(run.context) + self.config.window + self.config.ngram <= run.n_ctx
+
+    def _build_batch(self, token: int, n_past: int) -> _Batch:
+        W, N, G = self.config.window, self.config.ngram, self.config.guesses
+        window = self.window
+        batch = self.target.batch
+        batch.clear()
+        batch.add(token, n_past, range(W + G + 1), True)
+        candidates = list(self.pool.get(token))
+        rows = [[0] * N for _ in candidates]
+        # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
+        for j in range(N - 1):
+            for g, gram in enumerate(candidates):
+                rows[g][j + 1] = batch.add(gram[j], n_past + j + 1, (W + 1 + g,), True)
+        last_rows = [0] * W  # column 0 of level 0 is the input token itself (row 0)
+        for i in range(1, W):
+            row = batch.add(window[0][i], n_past + i, range(i + 1, W + 1), N == 2)
+            if N == 2:
+                last_rows[i] = row
+        for j in range(1, N - 1):
+            for i in range(W):
+                row = batch.add(window[j][i], n_past + j + i, (i + 1,), j == N - 2)
+                if j == N - 2:
+                    last_rows[i] = row
+        return _Batch(candidates, rows, last_rows)
+
+    def _advance_window(self, b: _Batch, first_of_step: bool) -> None:
+        W, N = self.config.window, self.config.ngram
+        window = self.window
+        previous = list(window[0])
+        for j in range(N - 2):
+            window[j] = window[j + 1]
+        if first_of_step:
+            window[N - 2] = [argmax(self.target.logits(r)) for r in b.last_level_rows]
+            for i in range(W):  # every column is an n-gram continuing its old level-0 token
+                self.pool.add(previous[i], [window[j][i] for j in range(N - 1)])
+        else:
+            window[N - 2] = list(window[0])
+
+    def step(self, run: Run, why: str = "") -> Iterator[Event]:
+        """One lookahead forward pass: its token events and StepEnd. Sequences 1.. must share sequence 0's cells."""
+        W, N, G = self.config.window, self.config.ngram, self.config.guesses
+        target = self.target
+        n_past = len(run.context) - 1
+        b = self._build_batch(run.pending, n_past)
+        target.ctx.decode(target.batch)
+        self.batch_tokens += len(target.batch)
+        active = list(range(len(b.candidates)))
+        best_seq, row = 0, 0
+        n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
+        n_accepted = 0  # tokens emitted as accepted drafts
+        for v in range(N):
+            if v > 0:
+                if not active:
+                    break
+                best_seq, row = W + 1 + active[0], b.candidate_rows[active[0]][v]
+            offered = [b.candidates[g][v] for g in active] if v < N - 1 else []
+            token, matched, counted = yield from pick_among(run, target.logits(row), offered, "lookahead")
+            n_accepted += counted
+            if run.reason is not None:
+                break
+            n_matched += matched
+            active = [g for g in active if v < N - 1 and b.candidates[g][v] == token]
+            self._advance_window(b, v == 0)
+        # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
+        keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq, W + G + 1)
+        self.accepted_hist[n_accepted] += 1
+        yield run.end_step(len(b.candidates[0]) if b.candidates else 0, n_accepted, "lookahead", why)
+
+    def stats(self) -> dict[str, object]:
+        return {"ngram_pool_size": len(self.pool), "accepted_per_step_histogram": list(self.accepted_hist),
+                "batch_tokens": self.batch_tokens}
 
 
 class LookaheadDecoding:
@@ -90,103 +165,32 @@ class LookaheadDecoding:
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
-        cfg, target = self.config, self.target
-        W, N, G = cfg.window, cfg.ngram, cfg.guesses
+        target = self.target
         run = Run(self.name, target.ctx.model, params, prompt, target.n_ctx)
-        pool = NgramPool(G)
-        if cfg.seed_pool_from_prompt:
-            pool.seed(prompt, N - 1)
-        n_vocab = target.ctx.n_vocab
-        window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
-        accepted_hist = [0] * N
-        batch_tokens = [0]  # tokens decoded by all forwards, for the cost model (backends.cost)
+        la = LookaheadWindow(target, self.config, prompt)
         first_token: list[int] = []
-
-        def pick(row: int) -> int:
-            logits = target.logits(row)
-            return argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng)
 
         def prefill() -> int:
             # As lookahead.cpp: the whole prompt, then the first token from its logits.
             cached = target.sync(prompt)
-            first_token.append(pick(target.last_row))
+            logits = target.logits()
+            first_token.append(argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng))
             return cached
-
-        def build_batch(token: int, n_past: int) -> _Batch:
-            batch = target.batch
-            batch.clear()
-            batch.add(token, n_past, range(W + G + 1), True)
-            candidates = list(pool.get(token))
-            rows = [[0] * N for _ in candidates]
-            # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
-            for j in range(N - 1):
-                for g, gram in enumerate(candidates):
-                    rows[g][j + 1] = batch.add(gram[j], n_past + j + 1, (W + 1 + g,), True)
-            last_rows = [0] * W  # column 0 of level 0 is the input token itself (row 0)
-            for i in range(1, W):
-                row = batch.add(window[0][i], n_past + i, range(i + 1, W + 1), N == 2)
-                if N == 2:
-                    last_rows[i] = row
-            for j in range(1, N - 1):
-                for i in range(W):
-                    row = batch.add(window[j][i], n_past + j + i, (i + 1,), j == N - 2)
-                    if j == N - 2:
-                        last_rows[i] = row
-            return _Batch(candidates, rows, last_rows)
-
-        def advance_window(b: _Batch, first_of_step: bool) -> None:
-            previous = list(window[0])
-            for j in range(N - 2):
-                window[j] = window[j + 1]
-            if first_of_step:
-                window[N - 2] = [argmax(target.logits(r)) for r in b.last_level_rows]
-                for i in range(W):  # every column is an n-gram continuing its old level-0 token
-                    pool.add(previous[i], [window[j][i] for j in range(N - 1)])
-            else:
-                window[N - 2] = list(window[0])
-
-        def lookahead_step() -> Iterator[Event]:
-            n_past = len(run.context) - 1
-            b = build_batch(run.pending, n_past)
-            target.ctx.decode(target.batch)
-            batch_tokens[0] += len(target.batch)
-            active = list(range(len(b.candidates)))
-            best_seq, row = 0, 0
-            n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
-            n_accepted = 0  # tokens emitted as accepted drafts
-            for v in range(N):
-                if v > 0:
-                    if not active:
-                        break
-                    best_seq, row = W + 1 + active[0], b.candidate_rows[active[0]][v]
-                offered = [b.candidates[g][v] for g in active] if v < N - 1 else []
-                token, matched, counted = yield from pick_among(run, target.logits(row), offered)
-                n_accepted += counted
-                if run.reason is not None:
-                    break
-                n_matched += matched
-                active = [g for g in active if v < N - 1 and b.candidates[g][v] == token]
-                advance_window(b, v == 0)
-            # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
-            keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq, W + G + 1)
-            accepted_hist[n_accepted] += 1
-            yield run.end_step(len(b.candidates[0]) if b.candidates else 0, n_accepted)
 
         def step() -> Iterator[Event]:
             if first_token:
                 ev = run.commit(first_token.pop(), TARGET)
                 if ev is not None:
                     yield ev
-                target.share_with(W + G + 1)
-                batch_tokens[0] += 1
-                yield run.end_step(0, 0)
-            elif len(run.context) + W + N > run.n_ctx:
+                target.share_with(la.n_seqs)
+                la.batch_tokens += 1
+                yield run.end_step(0, 0, "plain")
+            elif not la.fits(run):
                 # Too close to the end of the context for a window: plain decoding.
-                batch_tokens[0] += 1
+                la.batch_tokens += 1
                 yield from chain_step(run, target, [], None)
             else:
-                yield from lookahead_step()
-            run.extra.update(ngram_pool_size=len(pool), accepted_per_step_histogram=list(accepted_hist),
-                             batch_tokens=batch_tokens[0])
+                yield from la.step(run)
+            run.extra.update(la.stats())
 
         return drive(run, prefill, step, should_stop)

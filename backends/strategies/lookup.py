@@ -11,28 +11,15 @@ copies long runs of the input. Proposals are verified as one chain
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from backends.config import LookupConfig
 from backends.events import Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.strategies.base import drive, never
 from backends.strategies.chain import chain_step
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    draft_max: int = 10
-    ngram_max: int = 3
-    ngram_min: int = 1
-
-    def __post_init__(self) -> None:
-        if self.draft_max < 1:
-            raise ValueError("--draft-max must be at least 1")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError("need 1 <= --lookup-ngram-min <= --lookup-ngram-max")
 
 
 class NgramIndex:
@@ -52,8 +39,14 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        return self.propose_with_match(tokens, k)[0]
+
+    def propose_with_match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """`propose`, and the length n of the suffix that matched (0: no match): longer matches are likelier right."""
         self.update(tokens)
         length = len(tokens)
+        if k <= 0:
+            return [], 0
         for n in reversed(self.sizes):
             if length <= n:
                 continue
@@ -61,8 +54,8 @@ class NgramIndex:
             # The last entry is the suffix itself; the one before is the latest earlier occurrence.
             for start in reversed(starts):
                 if start + n < length:
-                    return list(tokens[start + n : start + n + k])
-        return []
+                    return list(tokens[start + n : start + n + k]), n
+        return [], 0
 
 
 class PromptLookup:
@@ -80,6 +73,6 @@ class PromptLookup:
 
         def step() -> Iterator[Event]:
             drafts = index.propose(run.context, min(self.config.draft_max, run.room() - 1))
-            yield from chain_step(run, self.target, drafts, None)
+            yield from chain_step(run, self.target, drafts, None, "lookup")
 
         return drive(run, lambda: self.target.sync(prompt[:-1], logits=False), step, should_stop)

@@ -14,31 +14,17 @@ drafts were all accepted, -1 after a rejection, within [1, K_max].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from backends.config import SpsConfig
 from backends.events import Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
 from backends.strategies.base import drive, never
 from backends.strategies.chain import chain_step
-
-
-@dataclass(frozen=True)
-class SpsConfig:
-    # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (README).
-    draft_max: int = 6
-    p_min: float = 0.4
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        if self.draft_max < 1:
-            raise ValueError("--draft-max must be at least 1")
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError("--draft-p-min must be in [0, 1)")
 
 
 class SpeculativeSampling:

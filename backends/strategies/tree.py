@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from backends.cost import DeviceCost, best_tree_size, cached_device_cost
+from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig
+from backends.cost import DeviceCost, best_tree_size
 from backends.events import Event
 from backends.kv import KvSequence
 from backends.llama import LlamaContext
@@ -57,65 +58,6 @@ from backends.sampling import GenParams
 from backends.strategies.base import drive, never
 from backends.strategies.branches import keep_branch, pick_among
 from backends.strategies.chain import chain_step
-from backends.strategies.sps import SpsConfig
-
-Shape = Literal["dynamic", "static"]
-SHAPES: tuple[Shape, ...] = ("dynamic", "static")
-AUTO = "auto"
-# The auto budget's cost curve covers batches of 1..AUTO_K_MAX, so it verifies at most AUTO_K_MAX - 1 nodes.
-AUTO_K_MAX = 16
-
-
-@dataclass(frozen=True)
-class TreeConfig:
-    depth: int = 4  # D: longest path
-    # dynamic: children per expanded node, and nodes expanded per depth; static: most branches (n_seq_dft)
-    top_k: int = 2
-    nodes: int | Literal["auto"] = 8  # M: nodes verified per step, or chosen per step from the cost curve
-    shape: Shape = "dynamic"
-    p_split: float = 0.1  # static: a further candidate starts a branch above this (llama.cpp's default)
-    p_min: float = SpsConfig.p_min  # static: a branch stops below this top probability (one flag with sps)
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or (self.nodes != AUTO and (not isinstance(self.nodes, int)
-                                                                         or self.nodes < 1)):
-            raise ValueError("tree depth, top-k and nodes must be at least 1 (nodes may be 'auto')")
-        if self.shape not in SHAPES:
-            raise ValueError(f"tree shape must be one of {', '.join(SHAPES)}")
-        if not 0.0 <= self.p_split <= 1.0:
-            raise ValueError("--draft-p-split must be in [0, 1]")
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError("--draft-p-min must be in [0, 1)")
-
-    @property
-    def auto(self) -> bool:
-        return self.nodes == AUTO
-
-    @property
-    def drafted_nodes(self) -> int:
-        """Most nodes one step drafts: the candidates selection chooses from."""
-        if self.shape == "static":
-            # At most top_k branches, one node each per depth; a fixed budget stops drafting at M.
-            full = self.depth * self.top_k
-            return full if self.auto else min(full, self.nodes)  # type: ignore[type-var]
-        return self.top_k + (self.depth - 1) * self.top_k**2
-
-    @property
-    def max_nodes(self) -> int:
-        """Most nodes one step verifies."""
-        return min(self.drafted_nodes, AUTO_K_MAX - 1 if self.auto else self.nodes)  # type: ignore[type-var]
-
-    @property
-    def draft_seqs(self) -> int:
-        """Sequence 0 and one scratch sequence per expanded node (dynamic) or per branch (static)."""
-        return 1 + self.top_k * (1 if self.shape == "static" else self.depth)
-
-    @property
-    def target_seqs(self) -> int:
-        """Sequence 0 and one per root-to-leaf path; a static tree has a leaf per branch at most."""
-        leaves = min(self.max_nodes, self.top_k) if self.shape == "static" else self.max_nodes
-        return 1 + leaves
-
 
 @dataclass
 class _Node:
@@ -166,7 +108,8 @@ class _Scratch:
 class TreeSpeculation:
     name = "tree"
 
-    def __init__(self, target: KvSequence, draft: KvSequence, config: TreeConfig = TreeConfig()) -> None:
+    def __init__(self, target: KvSequence, draft: KvSequence, config: TreeConfig = TreeConfig(),
+                 device_cost: Callable[[], DeviceCost | None] = lambda: None) -> None:
         for seq, need, role in ((target, config.target_seqs, "target"), (draft, config.draft_seqs, "draft")):
             if seq.ctx.config.n_seq_max < need:
                 raise ValueError(f"tree speculation needs a {role} context with {need} sequences")
@@ -174,7 +117,8 @@ class TreeSpeculation:
         self.draft = draft
         self.config = config
         self.draft_forwards = 0  # draft decode calls, for the cost model (backends.cost)
-        self.cost: DeviceCost | None = None  # measured at the first generation when nodes="auto"
+        self.device_cost = device_cost  # the engine's measured costs (backends.engine.Engine.device_cost)
+        self.cost: DeviceCost | None = None  # taken at the first generation when nodes="auto"
 
     # -- drafting: each shape returns every drafted node, parents first ------
 
@@ -294,7 +238,7 @@ class TreeSpeculation:
             cached = target.sync(prompt[:-1], logits=False)
             if self.config.auto and self.cost is None:
                 # After a real context, on this device; appends cells and removes them (backends.cost).
-                self.cost = cached_device_cost(target, self.draft, AUTO_K_MAX)
+                self.cost = self.device_cost()
             return cached
 
         def tree_step() -> Iterator[Event]:
@@ -326,7 +270,7 @@ class TreeSpeculation:
             while True:
                 kids = children[cur + 1]
                 offered = [nodes[k].token for k in kids]
-                token, matched, counted = yield from pick_among(run, target.logits(row), offered)
+                token, matched, counted = yield from pick_among(run, target.logits(row), offered, "draft")
                 n_accepted += counted
                 if run.reason is not None or not matched:
                     break
@@ -336,7 +280,7 @@ class TreeSpeculation:
             # Sequences 1.. are shared anew at the next step's start.
             best_seq = min(paths[cur]) if n_matched else 0
             keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
-            yield run.end_step(len(nodes), n_accepted)
+            yield run.end_step(len(nodes), n_accepted, "tree")
 
         def step() -> Iterator[Event]:
             if run.room() < 2 or len(run.context) + self.config.depth + 1 > run.n_ctx:

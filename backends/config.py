@@ -1,0 +1,156 @@
+"""Every strategy's settings: typed frozen dataclasses, validated in `__post_init__`.
+
+Kept apart from the strategies themselves so that the command line, the chat
+app's settings and the server can build and check them without loading
+llama.cpp (`specchat --help` stays instant). Each strategy module re-exports
+its own config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SpsConfig:
+    # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (README).
+    draft_max: int = 6
+    p_min: float = 0.4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise ValueError("--draft-max must be at least 1")
+        if not 0.0 <= self.p_min < 1.0:
+            raise ValueError("--draft-p-min must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    draft_max: int = 10
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise ValueError("--draft-max must be at least 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= --lookup-ngram-min <= --lookup-ngram-max")
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    # Defaults: the best of a sweep on a 2-core CPU with the demo pair (README).
+    window: int = 2  # W
+    ngram: int = 3  # N
+    guesses: int = 2  # G
+    seed_pool_from_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError("-W must be at least 1")
+        if self.ngram < 2:
+            raise ValueError("-N must be at least 2")
+        if self.guesses < 0:
+            raise ValueError("-G must be at least 0")
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.window + self.guesses + 1
+
+    @property
+    def batch_size(self) -> int:
+        w, n, g = self.window, self.ngram, self.guesses
+        return 1 + g * (n - 1) + (w - 1) + w * (n - 2)
+
+
+
+Shape = Literal["dynamic", "static"]
+SHAPES: tuple[Shape, ...] = ("dynamic", "static")
+AUTO = "auto"
+# The auto budget's cost curve covers batches of 1..AUTO_K_MAX, so it verifies at most AUTO_K_MAX - 1 nodes.
+AUTO_K_MAX = 16
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    depth: int = 4  # D: longest path
+    # dynamic: children per expanded node, and nodes expanded per depth; static: most branches (n_seq_dft)
+    top_k: int = 2
+    nodes: int | Literal["auto"] = 8  # M: nodes verified per step, or chosen per step from the cost curve
+    shape: Shape = "dynamic"
+    p_split: float = 0.1  # static: a further candidate starts a branch above this (llama.cpp's default)
+    p_min: float = SpsConfig.p_min  # static: a branch stops below this top probability (one flag with sps)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or (self.nodes != AUTO and (not isinstance(self.nodes, int)
+                                                                         or self.nodes < 1)):
+            raise ValueError("tree depth, top-k and nodes must be at least 1 (nodes may be 'auto')")
+        if self.shape not in SHAPES:
+            raise ValueError(f"tree shape must be one of {', '.join(SHAPES)}")
+        if not 0.0 <= self.p_split <= 1.0:
+            raise ValueError("--draft-p-split must be in [0, 1]")
+        if not 0.0 <= self.p_min < 1.0:
+            raise ValueError("--draft-p-min must be in [0, 1)")
+
+    @property
+    def auto(self) -> bool:
+        return self.nodes == AUTO
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Most nodes one step drafts: the candidates selection chooses from."""
+        if self.shape == "static":
+            # At most top_k branches, one node each per depth; a fixed budget stops drafting at M.
+            full = self.depth * self.top_k
+            return full if self.auto else min(full, self.nodes)  # type: ignore[type-var]
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes one step verifies."""
+        return min(self.drafted_nodes, AUTO_K_MAX - 1 if self.auto else self.nodes)  # type: ignore[type-var]
+
+    @property
+    def draft_seqs(self) -> int:
+        """Sequence 0 and one scratch sequence per expanded node (dynamic) or per branch (static)."""
+        return 1 + self.top_k * (1 if self.shape == "static" else self.depth)
+
+    @property
+    def target_seqs(self) -> int:
+        """Sequence 0 and one per root-to-leaf path; a static tree has a leaf per branch at most."""
+        leaves = min(self.max_nodes, self.top_k) if self.shape == "static" else self.max_nodes
+        return 1 + leaves
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """`auto`: which proposers it may use, and how much exploring may cost.
+
+    Each proposer's own settings (K, n-gram sizes, W/N/G) come from its
+    strategy's config; these switch proposers off or bound the choice.
+    """
+
+    draft: bool = True  # the draft-model chain (when a draft model is loaded)
+    lookup: bool = True  # prompt lookup
+    lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
+    explore_budget: float = 0.02  # most of the time spent trying options the estimates call worse
+    draft_max: int = 12  # longest draft chain or lookup proposal one step verifies
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.explore_budget <= 0.2:
+            raise ValueError("auto's exploration budget must be in [0, 0.2]")
+        if self.draft_max < 1:
+            raise ValueError("auto's draft_max must be at least 1")
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Settings of every strategy; each takes its own part."""
+
+    sps: SpsConfig = field(default_factory=SpsConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)

@@ -1,0 +1,161 @@
+"""One entry per strategy: every fact about a strategy lives here, as llama.cpp's
+common_speculative types or vLLM's proposer registry keep them in one place.
+
+An entry holds the name, the help line, whether it needs a draft model, the
+sequence ids its contexts need, its label in the flag vocabulary (bench rows,
+the chat app's stats bar), the settings grid `bench --sweep` tries, and how to
+build it on an engine. Adding a strategy is one entry here plus its module.
+
+This module imports no llama.cpp: the command line and the chat app's
+settings read it at start-up; the strategy modules are imported only when a
+strategy is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+from backends.config import StrategyOptions, TreeConfig
+
+if TYPE_CHECKING:
+    from backends.engine import Engine
+    from backends.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    help: str
+    needs_draft: bool
+    build: Callable[["Engine", StrategyOptions], "Strategy"]
+    label: Callable[[StrategyOptions], str]
+    n_seq: Callable[[StrategyOptions], int] = lambda _o: 1
+    sweep: Callable[[StrategyOptions], list[StrategyOptions]] = lambda _o: []
+
+
+def _draft(engine: "Engine", name: str):
+    if engine.draft is None:
+        from models.errors import ModelError
+
+        raise ModelError(f"strategy '{name}' needs a draft model (-md DRAFT)")
+    return engine.draft
+
+
+def _build_ar(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.ar import Autoregressive
+
+    return Autoregressive(engine.target)
+
+
+def _build_sps(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.sps import SpeculativeSampling
+
+    return SpeculativeSampling(engine.target, _draft(engine, "sps"), o.sps)
+
+
+def _build_lookahead(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.lookahead import LookaheadDecoding
+
+    return LookaheadDecoding(engine.target, o.lookahead)
+
+
+def _build_lookup(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.lookup import PromptLookup
+
+    return PromptLookup(engine.target, o.lookup)
+
+
+def _build_tree(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.tree import TreeSpeculation
+
+    return TreeSpeculation(engine.target, _draft(engine, "tree"), o.tree, engine.device_cost)
+
+
+def _build_auto(engine: "Engine", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.auto import AutoDecoding
+
+    return AutoDecoding(engine, o)
+
+
+def _sps_label(o: StrategyOptions) -> str:
+    s = o.sps
+    return f"sps K={s.draft_max} p_min={s.p_min}" + ("" if s.adaptive else " fixed")
+
+
+def _lookahead_label(o: StrategyOptions) -> str:
+    la = o.lookahead
+    return f"lookahead W={la.window} N={la.ngram} G={la.guesses}" + (" seeded" if la.seed_pool_from_prompt else "")
+
+
+def _tree_label(o: StrategyOptions) -> str:
+    t = o.tree
+    shape = " static" if t.shape == "static" else ""
+    split = f" ps={t.p_split}" if t.shape == "static" and t.p_split != TreeConfig.p_split else ""
+    return f"tree{shape} D={t.depth} k={t.top_k} M={t.nodes}{split}"
+
+
+def _auto_label(o: StrategyOptions) -> str:
+    a = o.auto
+    off = [name for name, on in (("draft", a.draft), ("lookup", a.lookup), ("lookahead", a.lookahead)) if not on]
+    return "auto" + (f" without {'/'.join(off)}" if off else "")
+
+
+def _grid(o: StrategyOptions, field: str, values: list[dict[str, object]]) -> list[StrategyOptions]:
+    return [replace(o, **{field: replace(getattr(o, field), **v)}) for v in values]
+
+
+REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
+    StrategySpec(
+        "auto", "chooses every step between plain decoding, prompt lookup, lookahead and the draft model, "
+                "from measured cost and live acceptance (never slower than plain decoding)",
+        needs_draft=False, build=_build_auto, label=_auto_label,
+        n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1,
+    ),
+    StrategySpec("ar", "plain decoding", needs_draft=False, build=_build_ar, label=lambda _o: "ar"),
+    StrategySpec(
+        "sps", "draft-model speculative sampling", needs_draft=True, build=_build_sps, label=_sps_label,
+        sweep=lambda o: _grid(o, "sps", [{"draft_max": k, "p_min": p} for k in (2, 3, 4, 6, 8) for p in (0.0, 0.4)]),
+    ),
+    StrategySpec(
+        "lookahead", "lookahead decoding (Jacobi window + n-gram pool)", needs_draft=False, build=_build_lookahead,
+        label=_lookahead_label, n_seq=lambda o: o.lookahead.n_seq_max,
+        sweep=lambda o: _grid(o, "lookahead", [{"window": w, "ngram": n, "guesses": g} for w, n, g in
+                                               ((2, 3, 2), (3, 3, 2), (4, 3, 4), (2, 4, 2), (8, 4, 8), (15, 5, 15))]),
+    ),
+    StrategySpec(
+        "lookup", "prompt lookup decoding", needs_draft=False, build=_build_lookup,
+        label=lambda o: f"lookup K={o.lookup.draft_max} n<={o.lookup.ngram_max}",
+        sweep=lambda o: _grid(o, "lookup", [{"draft_max": k, "ngram_max": n}
+                                            for k, n in ((4, 3), (10, 3), (16, 3), (10, 2))]),
+    ),
+    StrategySpec(
+        "tree", "token-tree speculation (EAGLE-2 dynamic tree, SpecInfer verification)", needs_draft=True,
+        build=_build_tree, label=_tree_label, n_seq=lambda o: max(o.tree.target_seqs, o.tree.draft_seqs),
+        # nodes "auto" picks M per step from the measured cost curve.
+        sweep=lambda o: _grid(o, "tree", [{"depth": d, "top_k": k, "nodes": m, "shape": shape} for d, k, m, shape in (
+            (3, 2, 6, "dynamic"), (5, 2, 10, "dynamic"), (4, 3, 12, "dynamic"), (6, 2, 12, "dynamic"),
+            (4, 2, "auto", "dynamic"), (5, 3, "auto", "dynamic"), (6, 4, 12, "static"), (8, 4, "auto", "static"))]),
+    ),
+)}
+
+STRATEGIES: tuple[str, ...] = tuple(REGISTRY)
+NEEDS_DRAFT = frozenset(name for name, spec in REGISTRY.items() if spec.needs_draft)
+DEFAULT_STRATEGY = "auto"
+
+
+def spec(name: str) -> StrategySpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
+
+
+def n_seq_needed(strategy: str, options: StrategyOptions) -> int:
+    """Sequence ids the contexts need: lookahead W+G+1, a tree one per path (and per drafted node)."""
+    return spec(strategy).n_seq(options)
+
+
+def strategy_label(name: str, options: StrategyOptions) -> str:
+    """A strategy and the settings it runs with, in the CLI's flag vocabulary."""
+    return spec(name).label(options)

@@ -1,0 +1,442 @@
+"""`auto`: before every target forward pass, verify whatever maximises expected tokens per second.
+
+The options of one step:
+  - nothing: a plain step, one token;
+  - a prompt-lookup continuation (Saxena 2023), of a length chosen from the
+    match: llama.cpp's examples/lookup proposal, verified as one chain;
+  - a draft-model chain (Leviathan et al. 2023), drafted token by token and
+    stopped where the draft's confidence no longer pays;
+  - a lookahead step (Fu et al. 2024): lookahead.cpp's window and n-gram pool
+    batch (backends.strategies.lookahead.LookaheadWindow), when it pays.
+
+How it decides. Maximising a ratio (tokens / seconds) step by step is done
+with Dinkelbach's transform: with R the throughput this engine reaches (the
+better of plain decoding's rate and the rate `auto` has measured), each option
+is worth E[tokens] - R * E[seconds], and the best option is the one worth most;
+an option pays exactly when it beats R. This is the rule vLLM's adaptive
+verification and SmartSpec's "goodput" apply (expected accepted tokens per
+unit of time, from a cost model measured on the device); TensorRT-LLM's
+switch-off at low acceptance is its special case. The inputs:
+  - expected tokens: the chance a proposed token is accepted, learnt live per
+    proposer and kept across the turns of a conversation (the engine holds
+    the state): for the draft by its confidence (its probability of the token
+    it proposes; EAGLE-2 shows it tracks acceptance) and by position, for
+    lookup by n-gram match length and position, for lookahead its tokens per
+    step. Beta-Bernoulli counts with a prior, decayed so they follow the text;
+  - seconds: the device's batch cost curve T(k)/T(1) and the draft's cost
+    (measured once per model files, threads and build, cached on disk:
+    Engine.device_cost), scaled by the live time of a plain step; plus the
+    Python overhead per verified row and per draft token, measured live as
+    the residual of every step against that prediction.
+For the draft chain the same rule runs per token: after drafting token i with
+confidence c, it is verified if its expected gain P(all before accepted) *
+a(c) exceeds R times the extra batch row, and drafting goes on while the next
+token is expected to pay for its draft decode as well.
+
+Exploration: an option the estimates call worse is still tried now and then,
+each at most once per `interval` steps, the interval chosen so that trying
+all of them costs at most `explore_budget` (2%) of the time.
+
+Lossless: each step is one of the lossless steps of the fixed strategies
+(greedy or Leviathan's rejection sampling for draft chains, SpecInfer's
+one-hot rule for lookup and lookahead, plain sampling), and the choice of step
+depends only on what is already known, never on the target's coming sample.
+Greedy output is the target's greedy output; sampled output has its law.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+import numpy as np
+
+from backends.config import StrategyOptions
+from backends.cost import BatchCost
+from backends.events import Event
+from backends.run import Run
+from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
+from backends.strategies.base import drive, never
+from backends.strategies.chain import chain_step
+from backends.strategies.lookahead import LookaheadWindow
+from backends.strategies.lookup import NgramIndex
+
+if TYPE_CHECKING:
+    from backends.engine import Engine
+
+PLAIN, DRAFT, LOOKUP, LOOKAHEAD = "plain", "draft", "lookup", "lookahead"
+CONFIDENCE_BINS = 10
+MAX_POSITION = 12
+
+
+class Acceptance:
+    """Chance that a proposed token is accepted, per key: Beta-Bernoulli counts with a prior, decayed.
+
+    `prior(key)` gives the prior mean; `weight` is how many observations it is
+    worth; `decay` < 1 forgets old observations (about 1/(1-decay) of them count).
+    """
+
+    def __init__(self, prior: Callable[[object], float], weight: float = 2.0, decay: float = 0.995) -> None:
+        self.prior = prior
+        self.weight = weight
+        self.decay = decay
+        self._counts: dict[object, list[float]] = {}
+
+    def p(self, key: object) -> float:
+        c = self._counts.get(key)
+        prior = self.prior(key)
+        if c is None:
+            return prior
+        return (c[0] + self.weight * prior) / (c[0] + c[1] + self.weight)
+
+    def update(self, key: object, accepted: bool) -> None:
+        c = self._counts.setdefault(key, [0.0, 0.0])
+        c[0] *= self.decay
+        c[1] *= self.decay
+        c[0 if accepted else 1] += 1.0
+
+
+@dataclass
+class Ewma:
+    """Exponentially weighted mean; `value` is None until the first observation unless seeded."""
+
+    alpha: float
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+def confidence_bin(c: float) -> int:
+    return min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+
+@dataclass
+class AutoState:
+    """What `auto` has learnt on one engine: kept across turns (Engine.auto_state)."""
+
+    # Draft: by confidence bin (prior: the confidence itself, a calibrated draft) and by position.
+    draft_by_conf: Acceptance = field(default_factory=lambda: Acceptance(
+        lambda b: (b + 0.5) / CONFIDENCE_BINS))  # type: ignore[operator]
+    draft_by_pos: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.5))
+    # Lookup: by (match length, position).
+    lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.3))
+    lookahead_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens per lookahead step
+    # Seconds: a plain step; one draft decode; Python overhead per verified row; a lookahead step's residual.
+    t_plain: Ewma = field(default_factory=lambda: Ewma(0.1))
+    t_draft: Ewma = field(default_factory=lambda: Ewma(0.1))
+    row_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
+    lookahead_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
+    # Throughput reached: EWMA of tokens and of seconds per step.
+    tokens: Ewma = field(default_factory=lambda: Ewma(0.02))
+    seconds: Ewma = field(default_factory=lambda: Ewma(0.02))
+    since: dict[str, int] = field(default_factory=dict)  # steps since each option was last taken
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's option: what to verify, how long at most, expected tokens and seconds, and why."""
+
+    option: str
+    length: int = 0  # lookup: tokens to verify; draft: most tokens to draft
+    tokens: float = 1.0  # expected output tokens
+    seconds: float = 1.0  # expected time
+    why: str = ""
+    explore: bool = False
+
+    def value(self, rate: float) -> float:
+        """Dinkelbach's worth at throughput `rate`: positive against a step that merely keeps the rate."""
+        return self.tokens - rate * self.seconds
+
+
+def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
+                      per_row: float, per_token: float = 0.0) -> tuple[int, float, float]:
+    """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
+
+    `accept[i]`: chance the (i+1)-th proposal is accepted given the ones before
+    (so 1 + the sum of the running products is the expected output); verifying
+    k proposals costs t_plain * T(k+1)/T(1) + k * (per_row + per_token).
+    """
+    best = (0, 1.0, t_plain)
+    expected, reach = 1.0, 1.0
+    for i, a in enumerate(accept, start=1):
+        reach *= a
+        expected += reach
+        seconds = t_plain * curve(i + 1) + i * (per_row + per_token)
+        if expected - rate * seconds > best[1] - rate * best[2]:
+            best = (i, expected, seconds)
+    return best
+
+
+class AutoDecoding:
+    name = "auto"
+
+    def __init__(self, engine: "Engine", options: StrategyOptions = StrategyOptions()) -> None:
+        self.engine = engine
+        self.options = options
+        if not isinstance(engine.auto_state, AutoState):
+            engine.auto_state = AutoState()
+        self.state: AutoState = engine.auto_state
+
+    def generate(
+        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
+    ) -> Iterator[Event]:
+        gen = _Generation(self, prompt, params)
+        return drive(gen.run, gen.prefill, gen.step, should_stop)
+
+
+class _Generation:
+    """One generation of `auto`: its run, proposers and per-step bookkeeping."""
+
+    def __init__(self, owner: AutoDecoding, prompt: Sequence[int], params: GenParams) -> None:
+        engine, options = owner.engine, owner.options
+        self.engine = engine
+        self.cfg = options.auto
+        self.sps = options.sps
+        self.state = owner.state
+        self.target = engine.target
+        self.draft = engine.draft if options.auto.draft else None
+        n_ctx = min(s.n_ctx for s in (self.target, self.draft) if s is not None)
+        self.run = Run(owner.name, self.target.ctx.model, params, prompt, n_ctx)
+        self.params = params
+        self.prompt = prompt
+        self.index = NgramIndex(options.lookup.ngram_min, options.lookup.ngram_max) if options.auto.lookup else None
+        la = options.lookahead
+        self.window: LookaheadWindow | None = None
+        if options.auto.lookahead and self.target.ctx.config.n_seq_max >= la.n_seq_max \
+                and la.batch_size <= self.target.batch.capacity:
+            self.window = LookaheadWindow(self.target, la, prompt)
+        self.curve: BatchCost | None = None
+        self.t1 = 0.0  # the measured T(1), seconds
+        self.decide_seconds = 0.0
+        self.draft_decodes = 0
+        self.batch_tokens = 0
+        self.explored = 0
+
+    # -- prefill -------------------------------------------------------------
+
+    def prefill(self) -> int:
+        if self.draft is not None:
+            self.draft.sync(self.prompt[:-1], logits=False)
+        cached = self.target.sync(self.prompt[:-1], logits=False)
+        cost = self.engine.device_cost()  # from the disk cache, or measured now after this real context
+        if cost is not None:
+            self.curve = cost.batch
+            self.t1 = cost.batch.seconds[0]
+            st = self.state
+            if st.t_plain.value is None:
+                st.t_plain.value = self.t1
+            if st.t_draft.value is None and self.draft is not None:
+                st.t_draft.value = cost.draft * self.t1
+        return cached
+
+    # -- the cost model ------------------------------------------------------
+
+    def relative(self, k: float) -> float:
+        """T(k)/T(1); without a measured curve, as steep as it gets (speculation never pays)."""
+        if self.curve is None:
+            return float(k)
+        if k > len(self.curve.seconds):  # beyond the measurement: grow linearly from its last slope
+            n = len(self.curve.seconds)
+            last = self.curve.relative(n)
+            slope = last - self.curve.relative(n - 1)
+            return last + max(slope, 0.0) * (k - n)
+        return self.curve.relative(k)
+
+    def rate(self) -> float:
+        """R: tokens per second this engine reaches (never below plain decoding's)."""
+        st = self.state
+        plain = 1.0 / max(st.t_plain.get(self.t1 or 1.0), 1e-6)
+        if st.tokens.value and st.seconds.value:
+            return max(plain, st.tokens.value / st.seconds.value)
+        return plain
+
+    def _interval(self, extra_seconds: float, t_plain: float, n_options: int) -> int:
+        """Steps between explorations of an option costing `extra_seconds` over a plain step."""
+        budget = self.cfg.explore_budget / max(n_options, 1)
+        if budget <= 0:
+            return 1 << 30
+        return max(16, math.ceil(max(extra_seconds, 0.0) / (t_plain * budget)))
+
+    def decide(self, lookup: list[int], match: int) -> Choice:
+        st, run = self.state, self.run
+        room = run.room() - 1
+        t_plain = st.t_plain.get(self.t1 or 1.0)
+        rate = self.rate()
+        row = max(st.row_overhead.get(0.0), 0.0)
+        plain = Choice(PLAIN, 0, 1.0, t_plain)
+        options: list[Choice] = []
+        if lookup and room > 0:
+            accept = [st.lookup.p((min(match, 4), min(i, MAX_POSITION))) for i in range(len(lookup[:room]))]
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row)
+            options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
+                           self._chain_of_one(LOOKUP, accept[0], t_plain, row))
+        if self.draft is not None and room > 0:
+            t_draft = st.t_draft.get(t_plain * 0.5)
+            accept = [st.draft_by_pos.p(i) for i in range(min(self.cfg.draft_max, room))]
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
+            options.append(Choice(DRAFT, max(k, 1), tokens, seconds) if k else
+                           self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft))
+        if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
+            la = self.window.config
+            seconds = t_plain * self.relative(la.batch_size) + st.lookahead_overhead.get(0.0)
+            options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), seconds))
+        best = max([plain, *options], key=lambda o: o.value(rate))
+        # Exploration: an option not taken for its interval is tried once, to keep its estimate fresh.
+        for o in options:
+            if o.option == best.option:
+                continue
+            extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
+            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options)):
+                return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
+                              f"{o.option} — trying it (its estimate is stale)", True)
+        return Choice(best.option, best.length, best.tokens, best.seconds, self._why(best, options, t_plain))
+
+    def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
+        """The shortest chain, for the record (what it would give) when no length pays."""
+        return Choice(option, 1, 1.0 + accept, t_plain * self.relative(2) + extra)
+
+    @staticmethod
+    def _why(best: Choice, options: list[Choice], t_plain: float) -> str:
+        """In words, with each option's predicted speed against a plain step's."""
+        def speedup(o: Choice) -> float:
+            return o.tokens / o.seconds * t_plain
+
+        if best.option == PLAIN:
+            if not options:
+                return "plain — nothing to propose"
+            alt = max(options, key=speedup)
+            return f"plain — {alt.option} would give {speedup(alt):.2f}× here"
+        return f"{best.option} — predicted {speedup(best):.2f}× plain"
+
+    # -- proposers -----------------------------------------------------------
+
+    def draft_chain(self, k_max: int, force: int) -> tuple[list[int], list[np.ndarray], list[float]]:
+        """Draft up to k_max tokens, stopping where the next one no longer pays; at least `force` if drafted."""
+        st, params = self.state, self.params
+        draft = self.draft
+        assert draft is not None
+        rate = self.rate()
+        t_plain = st.t_plain.get(self.t1 or 1.0)
+        t_draft = st.t_draft.get(t_plain * 0.5)
+        row = max(st.row_overhead.get(0.0), 0.0)
+        tokens: list[int] = []
+        dists: list[np.ndarray] = []
+        confs: list[float] = []
+        t0 = time.perf_counter()
+        draft.sync(self.run.context)
+        decodes = 1
+        reach = 1.0
+        for i in range(k_max):
+            logits = draft.logits()
+            if params.greedy:
+                tok = argmax(logits)
+                conf = top_probability(logits)
+            else:
+                q = probabilities(logits, params)
+                tok = sample(q, self.run.rng)
+                conf = float(q[tok])
+                dists.append(q)
+            a = st.draft_by_conf.p(confidence_bin(conf))
+            gain = reach * a - rate * (t_plain * (self.relative(i + 2) - self.relative(i + 1)) + row)
+            if gain <= 0 and i >= force:
+                if not params.greedy:
+                    dists.pop()
+                break
+            reach *= a
+            tokens.append(tok)
+            confs.append(conf)
+            # Draft the next token only if it is expected to pay for its own draft decode too.
+            next_gain = reach * a - rate * (t_draft + t_plain * (self.relative(i + 3) - self.relative(i + 2)) + row)
+            if i + 1 >= k_max or (next_gain <= 0 and i + 1 >= force):
+                break
+            draft.extend([tok])
+            decodes += 1
+        self.draft_decodes += decodes
+        if tokens or decodes:
+            st.t_draft.add((time.perf_counter() - t0) / decodes)
+        return tokens, dists, confs
+
+    # -- one step ------------------------------------------------------------
+
+    def step(self) -> Iterator[Event]:
+        run, st = self.run, self.state
+        t0 = time.perf_counter()
+        lookup, match = ([], 0)
+        if self.index is not None:
+            lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1))
+        choice = self.decide(lookup, match)
+        self.decide_seconds += time.perf_counter() - t0
+        self.explored += choice.explore
+        for option in (DRAFT, LOOKUP, LOOKAHEAD):
+            st.since[option] = 0 if option == choice.option else st.since.get(option, 0) + 1
+        before = len(run.output)
+        if choice.option == LOOKAHEAD and self.window is not None:
+            yield from self._lookahead_step(choice)
+        elif choice.option == DRAFT:
+            yield from self._draft_step(choice)
+        elif choice.option == LOOKUP:
+            yield from self._chain(lookup[:choice.length], None, LOOKUP, choice, [(min(match, 4), i)
+                                                                                for i in range(choice.length)])
+        else:
+            yield from self._chain([], None, PLAIN, choice, [])
+        seconds = time.perf_counter() - t0
+        st.tokens.add(len(run.output) - before)
+        st.seconds.add(seconds)
+        run.extra.update(self.stats())
+
+    def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
+               keys: list[object], confs: Sequence[float] = ()) -> Iterator[Event]:
+        st, run = self.state, self.run
+        t0 = time.perf_counter()
+        verdict = yield from chain_step(run, self.target, drafts, dists, "draft" if source == DRAFT else
+                                        "lookup" if source == LOOKUP else "target", choice.why)
+        seconds = time.perf_counter() - t0
+        self.batch_tokens += len(drafts) + 1
+        if not drafts:
+            st.t_plain.add(seconds)
+            return
+        t_plain = st.t_plain.get(self.t1 or seconds)
+        st.row_overhead.add((seconds - t_plain * self.relative(len(drafts) + 1)) / len(drafts))
+        # The proposals the target looked at: the accepted ones and the first refused one.
+        for i in range(min(verdict.n_accepted + 1, len(drafts))):
+            accepted = i < verdict.n_accepted
+            if source == LOOKUP:
+                st.lookup.update((keys[i][0], min(keys[i][1], MAX_POSITION)), accepted)  # type: ignore[index]
+            else:
+                st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
+                st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
+
+    def _draft_step(self, choice: Choice) -> Iterator[Event]:
+        room = self.run.room() - 1
+        tokens, dists, confs = self.draft_chain(min(self.cfg.draft_max, room), 1 if choice.explore else 0)
+        yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
+                               confs)
+
+    def _lookahead_step(self, choice: Choice) -> Iterator[Event]:
+        st, run = self.state, self.run
+        window = self.window
+        assert window is not None
+        self.target.share_with(window.n_seqs)  # other steps grew sequence 0 alone
+        before = len(run.output)
+        t0 = time.perf_counter()
+        yield from window.step(run, choice.why)
+        seconds = time.perf_counter() - t0
+        self.batch_tokens += window.config.batch_size
+        st.lookahead_tokens.add(len(run.output) - before)
+        t_plain = st.t_plain.get(self.t1 or seconds)
+        st.lookahead_overhead.add(seconds - t_plain * self.relative(window.config.batch_size))
+
+    def stats(self) -> dict[str, object]:
+        steps = max(self.run.forwards, 1)
+        return {
+            "batch_tokens": self.batch_tokens,
+            "draft_forwards": self.draft_decodes,
+            "explored_steps": self.explored,
+            "decide_ms_per_step": round(1000 * self.decide_seconds / steps, 4),
+        }
