@@ -254,13 +254,13 @@ def generate(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args.prompt)
     settings = settings_from_args(args)
     params, options = settings.params, settings.options
-    needs_draft = args.strategy in NEEDS_DRAFT
-    if needs_draft and settings.draft is None:
+    if args.strategy in NEEDS_DRAFT and settings.draft is None:
         raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
     raw = getattr(args, "raw", False) or args.command == "demo"
     if raw and settings.system_prompt:
         raise UserError("--system needs the chat template; it cannot go with --no-conversation")
-    engine = open_engine(settings, n_seq_needed(args.strategy, options), _progress, with_draft=needs_draft)
+    engine = open_engine(settings, n_seq_needed(args.strategy, options), _progress,
+                         with_draft=REGISTRY[args.strategy].uses_draft)
     try:
         strategy = engine.strategy(args.strategy, options)
         tokens = PromptFormat(engine).prompt(prompt_text, settings.system_prompt, raw=raw)

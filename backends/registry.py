@@ -32,6 +32,11 @@ class StrategySpec:
     label: Callable[[StrategyOptions], str]
     n_seq: Callable[[StrategyOptions], int] = lambda _o: 1
     sweep: Callable[[StrategyOptions], list[StrategyOptions]] = lambda _o: []
+    uses_draft: bool = False  # loads the draft model when one is given (always, when it needs one)
+
+    def __post_init__(self) -> None:
+        if self.needs_draft:
+            object.__setattr__(self, "uses_draft", True)
 
 
 def _draft(engine: "Engine", name: str):
@@ -110,7 +115,7 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
         "auto", "chooses every step between plain decoding, prompt lookup, lookahead and the draft model, "
                 "from measured cost and live acceptance (never slower than plain decoding)",
         needs_draft=False, build=_build_auto, label=_auto_label,
-        n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1,
+        n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1, uses_draft=True,
     ),
     StrategySpec("ar", "plain decoding", needs_draft=False, build=_build_ar, label=lambda _o: "ar"),
     StrategySpec(

@@ -21,7 +21,8 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[st
 
 
 def test_text_on_stdout_stats_on_stderr(tiny) -> None:
-    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "24", "--stats", "--no-color")
+    r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "24", "--stats", "--no-color",
+             "-s", "sps")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and "tok/s" not in r.stdout
     assert "strategy sps" in r.stderr and "tok/s" in r.stderr and "drafted" in r.stderr
@@ -55,7 +56,7 @@ def test_prompt_from_stdin_matches_argument(tiny) -> None:
 
 def test_color_view_marks_accepted_and_rejected(tiny) -> None:
     r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--color",
-             "--draft-p-min", "0")
+             "--draft-p-min", "0", "-s", "sps")
     assert r.returncode == 0
     assert "\x1b[32m" in r.stdout  # accepted: green
     assert "\x1b[9;31m" in r.stdout or "\x1b[31;9m" in r.stdout  # rejected: red, struck through

@@ -127,6 +127,9 @@ class AutoState:
     # Lookup: by (match length, position).
     lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.3))
     lookahead_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens per lookahead step
+    # What a draft step (drafting with its stopping rule, then verifying) really yields and costs.
+    draft_step_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))
+    draft_step_seconds: Ewma = field(default_factory=lambda: Ewma(0.1))
     # Seconds: a plain step; one draft decode; Python overhead per verified row; a lookahead step's residual.
     t_plain: Ewma = field(default_factory=lambda: Ewma(0.1))
     t_draft: Ewma = field(default_factory=lambda: Ewma(0.1))
@@ -277,11 +280,16 @@ class _Generation:
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(LOOKUP, accept[0], t_plain, row))
         if self.draft is not None and room > 0:
-            t_draft = st.t_draft.get(t_plain * 0.5)
-            accept = [st.draft_by_pos.p(i) for i in range(min(self.cfg.draft_max, room))]
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
-            options.append(Choice(DRAFT, max(k, 1), tokens, seconds) if k else
-                           self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft))
+            k_max = min(self.cfg.draft_max, room)
+            if st.draft_step_tokens.value is not None and st.draft_step_seconds.value is not None:
+                # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
+                options.append(Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_seconds.value))
+            else:  # before any draft step: from the acceptance by position
+                t_draft = st.t_draft.get(t_plain * 0.5)
+                accept = [st.draft_by_pos.p(i) for i in range(k_max)]
+                k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
+                options.append(Choice(DRAFT, k_max, tokens, seconds) if k else
+                               self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             la = self.window.config
             seconds = t_plain * self.relative(la.batch_size) + st.lookahead_overhead.get(0.0)
@@ -413,10 +421,15 @@ class _Generation:
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
 
     def _draft_step(self, choice: Choice) -> Iterator[Event]:
-        room = self.run.room() - 1
+        st, run = self.state, self.run
+        room = run.room() - 1
+        before = len(run.output)
+        t0 = time.perf_counter()
         tokens, dists, confs = self.draft_chain(min(self.cfg.draft_max, room), 1 if choice.explore else 0)
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
+        st.draft_step_tokens.add(len(run.output) - before)
+        st.draft_step_seconds.add(time.perf_counter() - t0)
 
     def _lookahead_step(self, choice: Choice) -> Iterator[Event]:
         st, run = self.state, self.run

@@ -1,0 +1,223 @@
+"""`auto`: its decision rule on synthetic costs, its cost cache, and its output on real llama.cpp.
+
+The output must be the target's greedy output token for token at temperature
+0, and have the target's law under sampling (chi-square at alpha 1e-4, as for
+the fixed strategies), whatever mix of plain, lookup, draft and lookahead
+steps it chooses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from backends.config import AutoConfig, LookaheadConfig, LookupConfig, StrategyOptions
+from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
+from backends.engine import Engine, EngineConfig
+from backends.sampling import GenParams
+from backends.strategies.auto import Acceptance, best_chain_length, confidence_bin
+from engine_helpers import run_to_done
+from stats_helpers import ALPHA, fits_law, outcome, target_law
+from test_lossless import PARAMS, _copying_prompt
+
+TINY_PROMPTS = ["the cat sat on the mat", "once upon a time there was", "def hello world return print"]
+NO_EXPLORING = StrategyOptions(auto=AutoConfig(explore_budget=0.0))
+
+
+def flat(k_max: int = 16) -> BatchCost:
+    return BatchCost(tuple(0.01 for _ in range(k_max)))
+
+
+def steep(k_max: int = 16) -> BatchCost:
+    return BatchCost(tuple(0.01 * k for k in range(1, k_max + 1)))
+
+
+def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int = 8) -> Engine:
+    engine = Engine(EngineConfig(target=tiny_files.target, draft=draft, n_ctx=1024, threads=1, n_seq_max=n_seq,
+                                 cost_cache=Path("")))
+    engine._cost = cost  # what Engine.device_cost hands out (a synthetic device)
+    return engine
+
+
+# -- the decision rule, pure ------------------------------------------------------------------------------------------
+
+def test_flat_curve_and_high_acceptance_speculate_long() -> None:
+    k, tokens, seconds = best_chain_length([0.9] * 10, rate=100.0, t_plain=0.01, curve=lambda _k: 1.0, per_row=0.0)
+    assert k == 10 and tokens > 6 and seconds == pytest.approx(0.01)
+
+
+def test_steep_curve_and_low_acceptance_stay_plain() -> None:
+    k, tokens, _ = best_chain_length([0.3] * 10, rate=100.0, t_plain=0.01, curve=lambda k: float(k), per_row=0.0)
+    assert k == 0 and tokens == 1.0
+
+
+def test_chain_stops_where_the_next_token_costs_more_than_it_brings() -> None:
+    """T(k)/T(1) = 1 + 0.2 (k-1), acceptance 0.5 per token: the i-th token brings 0.5^i, costs 0.2 plain steps."""
+    k, _, _ = best_chain_length([0.5] * 10, rate=100.0, t_plain=0.01, curve=lambda k: 1 + 0.2 * (k - 1), per_row=0.0)
+    assert k == 2  # 0.5 and 0.25 pay for 0.2 each; 0.125 does not
+    k_draft, _, _ = best_chain_length([0.5] * 10, 100.0, 0.01, lambda k: 1 + 0.2 * (k - 1), 0.0, per_token=0.002)
+    assert k_draft == 1, "a draft token's own cost (0.2 plain steps) shortens the chain"
+
+
+def test_acceptance_estimates_follow_the_evidence() -> None:
+    a = Acceptance(lambda _k: 0.5, weight=2.0, decay=0.99)
+    assert a.p("x") == 0.5
+    for _ in range(50):
+        a.update("x", True)
+    assert a.p("x") > 0.9
+    for _ in range(300):
+        a.update("x", False)
+    assert a.p("x") < 0.1, "old evidence decays"
+    assert confidence_bin(0.0) == 0 and confidence_bin(0.55) == 5 and confidence_bin(1.0) == 9
+
+
+# -- the cost cache ---------------------------------------------------------------------------------------------------
+
+def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:
+    cache = CostCache(tmp_path / "cost.json", max_age=100.0)
+    cost = DeviceCost(BatchCost((0.02, 0.025, 0.03)), 0.4, measured_at=1000.0)
+    cache.put("k", cost)
+    assert cache.get("k", now=1050.0) == cost
+    assert cache.get("k", now=1101.0) is None, "older than max_age: measured again"
+    assert cache.get("other", now=1050.0) is None
+    cache.drop("k")
+    assert cache.get("k", now=1050.0) is None
+    (tmp_path / "cost.json").write_text("{not json")
+    assert cache.get("k") is None  # an unreadable file is an empty cache
+    cache.put("k", cost)
+    assert cache.get("k", now=1050.0) == cost
+
+
+def test_cost_key_changes_with_model_files_threads_and_build(tmp_path: Path) -> None:
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"a" * 10)
+    draft.write_bytes(b"b" * 10)
+    base = cost_key(target, draft, 2, "build 1", [0])
+    assert base == cost_key(target, draft, 2, "build 1", [0])
+    assert base != cost_key(target, draft, 4, "build 1", [0]), "thread count"
+    assert base != cost_key(target, draft, 2, "build 2", [0]), "llama.cpp build"
+    assert base != cost_key(target, None, 2, "build 1", [0]), "draft model"
+    assert base != cost_key(target, draft, 2, "build 1", [99]), "layers offloaded"
+    os.utime(target, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert base != cost_key(target, draft, 2, "build 1", [0]), "a replaced model file"
+    target.write_bytes(b"a" * 11)
+    assert base != cost_key(target, draft, 2, "build 1", [0])
+
+
+def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) -> None:
+    path = tmp_path / "device-cost.json"
+    config = EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1, cost_cache=path)
+    first = Engine(config)
+    try:
+        first.target.sync(first.tokenize("the cat sat"), logits=False)
+        measured = first.device_cost(k_max=4, repeats=1)
+        assert measured is not None and len(measured.batch.seconds) == 4 and measured.draft > 0
+        assert path.exists()
+    finally:
+        first.close()
+    second = Engine(config)
+    try:
+        assert second.target.tokens == []
+        assert second.device_cost() == measured, "a new session reads it back without measuring"
+        second.invalidate_cost()
+        assert second.device_cost() is None, "invalidated, and nothing in the cache to measure after"
+    finally:
+        second.close()
+
+
+# -- real runs --------------------------------------------------------------------------------------------------------
+
+def test_auto_speculates_on_a_cheap_device_and_not_on_a_dear_one(tiny) -> None:
+    """Identical draft (accepts all) on a flat curve: drafts verified in batches. A steep curve and dear draft: none.
+
+    The curve's shape is the synthetic one; step times are measured live (on
+    the tiny models a draft token costs as much as a target token, which keeps
+    the chains short).
+    """
+    cheap = _engine(tiny, tiny.same_draft, DeviceCost(flat(), 0.05))
+    dear = _engine(tiny, tiny.same_draft, DeviceCost(steep(), 1.0))
+    try:
+        prompt = cheap.tokenize(TINY_PROMPTS[1])
+        ref = run_to_done(cheap, "ar", prompt, GenParams(max_tokens=64))
+        for _ in range(2):  # the second turn uses what the first learnt
+            fast = run_to_done(cheap, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
+        assert fast.tokens == ref.tokens
+        assert fast.stats.steps_by_choice.get("draft", 0) > 0
+        assert fast.stats.mean_accepted_per_forward > 2
+        assert fast.stats.tokens_by_source.get("draft", 0) > 32
+        slow = run_to_done(dear, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
+        assert slow.tokens == ref.tokens
+        assert set(slow.stats.steps_by_choice) <= {"plain", "lookup"}, slow.stats.steps_by_choice
+        assert slow.stats.tokens_by_source.get("draft", 0) == 0
+    finally:
+        cheap.close()
+        dear.close()
+
+
+def test_auto_without_a_draft_uses_lookup_on_copying_text(tiny) -> None:
+    engine = _engine(tiny, None, DeviceCost(flat(), 0.0))
+    try:
+        text = "one two three four five six seven eight nine ten " * 3
+        prompt = engine.tokenize(text)
+        ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=48))
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48))
+        assert done.tokens == ref.tokens
+        assert done.stats.steps_by_choice.get("lookup", 0) > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("text", TINY_PROMPTS)
+@pytest.mark.parametrize("curve", ["flat", "steep", "measured"])
+def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
+    cost = {"flat": DeviceCost(flat(), 0.2), "steep": DeviceCost(steep(), 0.5), "measured": None}[curve]
+    engine = _engine(tiny, tiny.draft, cost)
+    try:
+        prompt = engine.tokenize(text)
+        ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=48))
+        options = StrategyOptions(auto=AutoConfig(explore_budget=0.2), lookahead=LookaheadConfig(2, 3, 2))
+        for _ in range(3):
+            got = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48), options)
+            assert got.tokens == ref.tokens and got.text == ref.text
+    finally:
+        engine.close()
+
+
+def test_auto_keeps_the_target_law(tiny) -> None:
+    """Mixed steps (draft chains with rejection sampling, lookup and lookahead one-hot, plain) at temperature 1."""
+    small = replace(tiny, target=tiny.small_target)
+    engine = _engine(small, tiny.small_draft, DeviceCost(flat(), 0.1), n_seq=32)
+    try:
+        params = PARAMS["plain"]
+        prompt = _copying_prompt(engine)
+        law = target_law(engine, prompt, params)
+        options = StrategyOptions(auto=AutoConfig(explore_budget=0.2), lookup=LookupConfig(draft_max=3, ngram_max=2),
+                                  lookahead=LookaheadConfig(4, 3, 4, seed_pool_from_prompt=True))
+        counts: dict[tuple[int, ...], int] = {}
+        choices: Counter[str] = Counter()
+        for seed in range(3000):
+            done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
+            key = outcome(engine, done)
+            counts[key] = counts.get(key, 0) + 1
+            choices.update(done.stats.steps_by_choice)
+        assert {"draft", "lookup", "plain"} <= set(choices), f"the test must mix steps: {choices}"
+        assert min(choices["draft"], choices["lookup"]) > 100, choices
+        p_value = fits_law(counts, law)
+        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+    finally:
+        engine.close()
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("text", ["Once upon a time, in a small village,", "def fibonacci(n):\n"])
+def test_auto_equals_ar_demo(demo_engine: Engine, text: str) -> None:
+    prompt = demo_engine.tokenize(text)
+    ref = run_to_done(demo_engine, "ar", prompt, GenParams(max_tokens=48))
+    for _ in range(2):
+        got = run_to_done(demo_engine, "auto", prompt, GenParams(max_tokens=48))
+        assert got.tokens == ref.tokens
