@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app.prompt_sets import BenchPrompt
-from backends.cost import BatchCost, best_chain_speedup, measure_device_cost, predicted_speedup
+from backends.cost import BatchCost, best_chain_speedup, predicted_speedup
 from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, until_done
@@ -144,8 +144,16 @@ def run_bench(
 
 
 def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[BatchCost, float]:
-    """The target's batch cost curve, and one draft token's cost relative to one target token."""
-    measured = measure_device_cost(engine.target, engine.draft, context, k_max)
+    """The target's batch cost curve, and one draft token's cost relative to one target token.
+
+    Measured through the engine, which keeps it (and caches it on disk): `auto`
+    then decides with this curve, in this run and in later sessions.
+    """
+    engine.target.sync(context, logits=False)
+    if engine.draft is not None:
+        engine.draft.sync(context, logits=False)
+    measured = engine.device_cost(k_max, repeats=3, remeasure=True)
+    assert measured is not None, "the prompt leaves no room for a batch"
     engine.target.reset()
     if engine.draft is not None:
         engine.draft.reset()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +46,22 @@ class BatchCost:
         return [round(self.relative(k), 4) for k in range(1, len(self.seconds) + 1)]
 
 
+def monotone(seconds: Sequence[float]) -> tuple[float, ...]:
+    """The curve made non-decreasing by suffix minima: a bigger batch never costs less than a smaller one,
+    so a time above a later one is noise (another process took the core), not the batch's cost."""
+    out = list(seconds)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)
+
+
 def measure_batch_cost(seq: KvSequence, context: Sequence[int], k_max: int = 32, repeats: int = 3) -> BatchCost:
-    """Time batches of 1..k_max tokens decoded after `context` (the cache is restored after each)."""
+    """Time batches of 1..k_max tokens decoded after `context` (the cache is restored after each).
+
+    Each k keeps its fastest repeat (interruptions only ever add time) and the
+    curve is made non-decreasing (`monotone`), so a busy machine during the
+    measurement does not leave spikes that would steer decisions for weeks.
+    """
     seq.sync(context, logits=False)
     base = len(seq.tokens)
     filler = list(context[-1:]) or [0]
@@ -60,9 +73,9 @@ def measure_batch_cost(seq: KvSequence, context: Sequence[int], k_max: int = 32,
             t0 = time.perf_counter()
             seq.extend(filler * k, logits="all")
             times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
+        out.append(min(times))
     seq.truncate(base)
-    return BatchCost(tuple(out))
+    return BatchCost(monotone(out))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ loaded.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +43,14 @@ class EngineConfig:
     cost_cache: Path | None = None
 
 
+def cost_cache_path(configured: Path | None) -> Path | None:
+    """Where device costs are kept: as configured, else $SPECCHAT_COST_CACHE, else the data dir; "" keeps none."""
+    if configured is None:
+        env = os.environ.get("SPECCHAT_COST_CACHE")
+        configured = Path(env) if env is not None else data_dir() / COST_CACHE_FILE
+    return configured if str(configured) not in ("", ".") else None
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -57,8 +66,7 @@ class Engine:
         if config.draft is not None:
             self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
             self.draft = KvSequence(LlamaContext(self.draft_model, ctx_config))
-        cache_path = config.cost_cache if config.cost_cache is not None else data_dir() / COST_CACHE_FILE
-        self._cost_cache = CostCache(cache_path if str(cache_path) else None)
+        self._cost_cache = CostCache(cost_cache_path(config.cost_cache))
         self._cost: DeviceCost | None = None
         # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation.
         self.auto_state: object | None = None
@@ -77,7 +85,7 @@ class Engine:
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch]
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 
-    def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2) -> DeviceCost | None:
+    def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2, remeasure: bool = False) -> DeviceCost | None:
         """This device's batch cost curve and draft cost: from the cache on disk, else measured now.
 
         Measured once per (model files, threads, llama.cpp build, placement)
@@ -85,14 +93,16 @@ class Engine:
         a second, right after a prefill (it appends cells after what the
         target's cache holds and removes them, and syncs the draft's cache to
         the same tokens). None when the context has no room for a batch of 2
-        yet; the next call tries again.
+        yet; the next call tries again. `remeasure` measures now whatever is
+        known (`specchat bench` does, so later sessions decide with its curve).
         """
-        if self._cost is not None:
-            return self._cost
         key = self._cost_key()
-        self._cost = self._cost_cache.get(key)
-        if self._cost is not None:
-            return self._cost
+        if not remeasure:
+            if self._cost is not None:
+                return self._cost
+            self._cost = self._cost_cache.get(key)
+            if self._cost is not None:
+                return self._cost
         context = list(self.target.tokens)
         k_max = min(k_max, self.target.n_ctx - len(context), self.target.batch.capacity)
         if k_max < 2 or not context:

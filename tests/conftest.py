@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Measured device costs stay out of the user's data dir (and out of other tests): each engine measures its own.
+os.environ["SPECCHAT_COST_CACHE"] = ""
 
 from gguf_factory import TinyModel, spm_vocab, write_llama_gguf  # noqa: E402
 
