@@ -39,6 +39,9 @@ class ConfigResult:
     tok_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)  # vs ar, same repeat and prompt
     ratios_by_category: dict[str, list[float]] = field(default_factory=dict)
+    # Target forwards by what they verified (plain, draft, lookup, ...), per prompt category.
+    choices_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
+    tokens_by_source: dict[str, int] = field(default_factory=dict)
     limits: list[float] = field(default_factory=list)  # per run: speedup the decode times alone allow
     generated: int = 0
     forwards: int = 0
@@ -48,8 +51,13 @@ class ConfigResult:
     drafted_at: list[int] = field(default_factory=list)
     greedy_match: bool | None = None  # None: not checked (sampling)
 
-    def add(self, done: Done, cost: BatchCost | None, draft_cost: float) -> None:
+    def add(self, done: Done, cost: BatchCost | None, draft_cost: float, category: str) -> None:
         s = done.stats
+        mix = self.choices_by_category.setdefault(category, {})
+        for choice, n in s.steps_by_choice.items():
+            mix[choice] = mix.get(choice, 0) + n
+        for source, n in s.tokens_by_source.items():
+            self.tokens_by_source[source] = self.tokens_by_source.get(source, 0) + n
         self.tok_s.append(s.tokens_per_second)
         if cost is not None and s.target_forwards:
             fwd = s.target_forwards
@@ -80,6 +88,8 @@ class ConfigResult:
             "tokens_per_forward": round(tokens_per_forward, 4),
             "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "greedy_matches_ar": self.greedy_match,
+            "choices_by_category": {c: dict(sorted(m.items())) for c, m in self.choices_by_category.items()},
+            "tokens_by_source": dict(sorted(self.tokens_by_source.items())),
         }
         if self.limits:
             out["predicted_speedup"] = round(statistics.median(self.limits), 4)
@@ -129,7 +139,7 @@ def run_bench(
             base_speed = 0.0
             for res in results:
                 done = _run(engine, res.config, tokens, params)
-                res.add(done, cost, draft_cost)
+                res.add(done, cost, draft_cost, prompt.category)
                 if res is results[0]:
                     base_tokens, base_speed = done.tokens, done.stats.tokens_per_second
                 elif params.greedy:

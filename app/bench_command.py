@@ -108,6 +108,12 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         curve = " ".join(f"{v:.2f}" for v in report["batch_cost"][:16])
         print(f"\nbatch cost T(k)/T(1), k=1..: {curve}" + (f"; one draft token = {draft_cost:.2f} target tokens" if draft else ""))
         print("limit: the speedup llama.cpp's decode times alone allow at each run's tokens per forward (median)")
+    for row in rows:
+        if row["strategy"] == "auto":
+            print(f"\n{row['label']}: what its target forwards verified, by category")
+            for category, mix in row["choices_by_category"].items():  # type: ignore[union-attr]
+                total = sum(mix.values()) or 1
+                print(f"  {category:14} " + "  ".join(f"{c} {100 * n / total:.0f}%" for c, n in mix.items()))
     if args.sweep:
         for s, b in best.items():
             print(f"best {s} on this device: {b['label']} ({b['speedup']:.2f}x)")

@@ -170,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="strategies side by side on this device: table, JSON and plot")
     bench.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
     bench.add_argument("-md", "--model-draft", default=None, help="draft model (needed for sps)")
-    bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup",
-                       help="comma-separated strategies, of ar,sps,tree,lookahead,lookup "
-                            "(default: ar,sps,lookahead,lookup; sps and tree only with -md)")
-    bench.add_argument("--prompts", default="builtin", help="builtin, chat (instruct requests), humaneval, or a JSONL file (default: builtin)")
+    bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup,auto",
+                       help=f"comma-separated strategies, of {','.join(REGISTRY)} "
+                            "(default: ar,sps,lookahead,lookup,auto; sps and tree only with -md)")
+    bench.add_argument("--prompts", default="builtin",
+                       help="builtin, chat (instruct requests), humaneval, or a JSONL file (default: builtin)")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")

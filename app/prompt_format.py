@@ -15,14 +15,16 @@ everything up to the first token that differs.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from app.chat_template import ChatMessage, render_chat
-from backends.engine import Engine
+
+if TYPE_CHECKING:
+    from backends.engine import Engine
 
 
 class PromptFormat:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.template = engine.target_info.chat_template
 

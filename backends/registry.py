@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from backends.config import StrategyOptions, TreeConfig
+from backends.config import AutoConfig, StrategyOptions, TreeConfig
 
 if TYPE_CHECKING:
     from backends.engine import Engine
@@ -103,7 +103,8 @@ def _tree_label(o: StrategyOptions) -> str:
 def _auto_label(o: StrategyOptions) -> str:
     a = o.auto
     off = [name for name, on in (("draft", a.draft), ("lookup", a.lookup), ("lookahead", a.lookahead)) if not on]
-    return "auto" + (f" without {'/'.join(off)}" if off else "")
+    k = f" K<={a.draft_max}" if a.draft_max != AutoConfig.draft_max else ""
+    return "auto" + k + (f" without {'/'.join(off)}" if off else "")
 
 
 def _grid(o: StrategyOptions, field: str, values: list[dict[str, object]]) -> list[StrategyOptions]:
@@ -116,6 +117,8 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
                 "from measured cost and live acceptance (never slower than plain decoding)",
         needs_draft=False, build=_build_auto, label=_auto_label,
         n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1, uses_draft=True,
+        sweep=lambda o: _grid(o, "auto", [{"draft": False}, {"lookup": False}, {"lookahead": False},
+                                          {"draft_max": 6}]),
     ),
     StrategySpec("ar", "plain decoding", needs_draft=False, build=_build_ar, label=lambda _o: "ar"),
     StrategySpec(
