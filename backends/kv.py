@@ -10,7 +10,7 @@ would decode on a corrupt cache.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError
 from backends.llama import Batch, LlamaContext
@@ -37,6 +37,62 @@ class KvSequence:
     @property
     def n_ctx(self) -> int:
         return self.ctx.n_ctx
+
+    @property
+    def model(self):
+        return self.ctx.model
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequence ids this context allows (0 is the main branch, the others scratch space)."""
+        return self.ctx.config.n_seq_max
+
+    @property
+    def n_vocab(self) -> int:
+        return self.ctx.n_vocab
+
+    @property
+    def batch_capacity(self) -> int:
+        return self.batch.capacity
+
+    # -- several sequences: branches of a tree, lookahead's window and n-grams -------------------
+
+    def decode_rows(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> list[int]:
+        """Decode one batch of (token, position, sequence ids, wants logits) after what the cache holds.
+
+        Returns each entry's batch row, to read its logits with `logits(row)`.
+        The cells go to the given sequences; `tokens` (sequence 0's record) is
+        not changed: the caller keeps a branch afterwards (`keep_branch`).
+        """
+        self.batch.clear()
+        rows = [self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries]
+        self.ctx.decode(self.batch)
+        return rows
+
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence `dst` holds exactly the cells of `src` (a unified cache shares them, no copy)."""
+        self.ctx.seq_rm(dst, -1, -1)
+        self.ctx.seq_cp(src, dst, -1, -1)
+
+    def drop_seq(self, seq: int) -> None:
+        """Remove every cell of scratch sequence `seq` (never 0: use truncate for the main branch)."""
+        assert seq != 0, "sequence 0 is the main branch"
+        self.ctx.seq_rm(seq, -1, -1)
+
+    def keep_branch(self, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
+        """Keep the first `keep` positions; the cells of `best_seq` (0: none won) become sequence 0.
+
+        Every other sequence's cells go; with `reshare` > 1, sequences
+        1..reshare-1 then share sequence 0's cells again. `context` is what
+        sequence 0 holds afterwards (its first `keep` tokens).
+        """
+        self.drop_cells_from(keep)
+        if best_seq != 0:
+            self.ctx.seq_keep(best_seq)
+            self.ctx.seq_cp(best_seq, 0, -1, -1)
+            self.ctx.seq_rm(best_seq, -1, -1)
+            self.share_with(reshare)
+        self.tokens = list(context[:keep])
 
     def truncate(self, n: int) -> None:
         """Forget the tokens from position n on (their cells in every sequence go too)."""
@@ -103,12 +159,7 @@ class KvSequence:
     def share_with(self, n_seqs: int) -> None:
         """Make sequences 1..n_seqs-1 hold exactly sequence 0's cells (a unified cache shares them, no copy)."""
         for seq in range(1, n_seqs):
-            self.ctx.seq_rm(seq, -1, -1)
-            self.ctx.seq_cp(0, seq, -1, -1)
-
-    def adopt(self, tokens: Sequence[int]) -> None:
-        """Record what sequence 0 holds after a caller decoded and pruned a multi-sequence batch itself."""
-        self.tokens = list(tokens)
+            self.fork(0, seq)
 
     def logits(self, row: int | None = None):
         return self.ctx.logits(self.last_row if row is None else row)

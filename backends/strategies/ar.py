@@ -24,7 +24,7 @@ class Autoregressive:
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
-        run = Run(self.name, self.target.ctx.model, params, prompt, self.target.n_ctx)
+        run = Run(self.name, self.target.model, params, prompt, self.target.n_ctx)
 
         def step() -> Iterator[Event]:
             self.target.extend([run.pending])

@@ -205,14 +205,14 @@ class _Generation:
         self.target = engine.target
         self.draft = engine.draft if options.auto.draft else None
         n_ctx = min(s.n_ctx for s in (self.target, self.draft) if s is not None)
-        self.run = Run(owner.name, self.target.ctx.model, params, prompt, n_ctx)
+        self.run = Run(owner.name, self.target.model, params, prompt, n_ctx)
         self.params = params
         self.prompt = prompt
         self.index = NgramIndex(options.lookup.ngram_min, options.lookup.ngram_max) if options.auto.lookup else None
         la = options.lookahead
         self.window: LookaheadWindow | None = None
-        if options.auto.lookahead and self.target.ctx.config.n_seq_max >= la.n_seq_max \
-                and la.batch_size <= self.target.batch.capacity:
+        if options.auto.lookahead and self.target.n_seq_max >= la.n_seq_max \
+                and la.batch_size <= self.target.batch_capacity:
             self.window = LookaheadWindow(self.target, la, prompt)
         self.curve: BatchCost | None = None
         self.t1 = 0.0  # the measured T(1), seconds

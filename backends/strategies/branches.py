@@ -42,14 +42,5 @@ def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
 
 
 def keep_branch(target: KvSequence, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
-    """Keep the first `keep` positions; the cells of `best_seq` (0: none won) become sequence 0.
-
-    With `reshare` > 1, sequences 1..reshare-1 get sequence 0's cells again.
-    """
-    target.drop_cells_from(keep)
-    if best_seq != 0:
-        target.ctx.seq_keep(best_seq)
-        target.ctx.seq_cp(best_seq, 0, -1, -1)
-        target.ctx.seq_rm(best_seq, -1, -1)
-        target.share_with(reshare)
-    target.adopt(context[:keep])
+    """After a multi-branch step: the winning branch's cells become sequence 0 (backends.kv.KvSequence.keep_branch)."""
+    target.keep_branch(context, keep, best_seq, reshare)

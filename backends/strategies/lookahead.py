@@ -63,7 +63,7 @@ class LookaheadWindow:
         self.pool = NgramPool(config.guesses)
         if config.seed_pool_from_prompt:
             self.pool.seed(prompt, N - 1)
-        n_vocab = target.ctx.n_vocab
+        n_vocab = target.n_vocab
         self.window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
         self.accepted_hist = [0] * N
         self.batch_tokens = 0  # tokens decoded by all forwards, for the cost model (backends.cost)
@@ -76,28 +76,30 @@ class LookaheadWindow:
         """Room in the context for a whole window after the committed text."""
         return len(run.context) + self.config.window + self.config.ngram <= run.n_ctx
 
-    def _build_batch(self, token: int, n_past: int) -> _Batch:
+    def _decode_batch(self, token: int, n_past: int) -> _Batch:
+        """Lay out and decode one lookahead batch; returns where each part landed."""
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         window = self.window
-        batch = self.target.batch
-        batch.clear()
-        batch.add(token, n_past, range(W + G + 1), True)
+        entries: list[tuple[int, int, Sequence[int], bool]] = [(token, n_past, range(W + G + 1), True)]
         candidates = list(self.pool.get(token))
         rows = [[0] * N for _ in candidates]
         # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
         for j in range(N - 1):
             for g, gram in enumerate(candidates):
-                rows[g][j + 1] = batch.add(gram[j], n_past + j + 1, (W + 1 + g,), True)
+                rows[g][j + 1] = len(entries)
+                entries.append((gram[j], n_past + j + 1, (W + 1 + g,), True))
         last_rows = [0] * W  # column 0 of level 0 is the input token itself (row 0)
         for i in range(1, W):
-            row = batch.add(window[0][i], n_past + i, range(i + 1, W + 1), N == 2)
             if N == 2:
-                last_rows[i] = row
+                last_rows[i] = len(entries)
+            entries.append((window[0][i], n_past + i, range(i + 1, W + 1), N == 2))
         for j in range(1, N - 1):
             for i in range(W):
-                row = batch.add(window[j][i], n_past + j + i, (i + 1,), j == N - 2)
                 if j == N - 2:
-                    last_rows[i] = row
+                    last_rows[i] = len(entries)
+                entries.append((window[j][i], n_past + j + i, (i + 1,), j == N - 2))
+        self.target.decode_rows(entries)
+        self.batch_tokens += len(entries)
         return _Batch(candidates, rows, last_rows)
 
     def _advance_window(self, b: _Batch, first_of_step: bool) -> None:
@@ -118,9 +120,7 @@ class LookaheadWindow:
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         target = self.target
         n_past = len(run.context) - 1
-        b = self._build_batch(run.pending, n_past)
-        target.ctx.decode(target.batch)
-        self.batch_tokens += len(target.batch)
+        b = self._decode_batch(run.pending, n_past)
         active = list(range(len(b.candidates)))
         best_seq, row = 0, 0
         n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
@@ -152,13 +152,14 @@ class LookaheadDecoding:
     name = "lookahead"
 
     def __init__(self, target: KvSequence, config: LookaheadConfig = LookaheadConfig()) -> None:
-        if target.ctx.config.n_seq_max < config.n_seq_max:
+        if target.n_seq_max < config.n_seq_max:
             raise ValueError(
                 f"lookahead W={config.window}, G={config.guesses} needs a context with "
-                f"{config.n_seq_max} sequences (it has {target.ctx.config.n_seq_max})"
+                f"{config.n_seq_max} sequences (it has {target.n_seq_max})"
             )
-        if config.batch_size > target.batch.capacity:
-            raise ValueError(f"lookahead batch of {config.batch_size} tokens exceeds the batch size {target.batch.capacity}")
+        if config.batch_size > target.batch_capacity:
+            raise ValueError(f"lookahead W={config.window} N={config.ngram} G={config.guesses} needs a batch of "
+                             f"{config.batch_size} tokens, more than the batch size {target.batch_capacity} (-b)")
         self.target = target
         self.config = config
 
@@ -166,7 +167,7 @@ class LookaheadDecoding:
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
         target = self.target
-        run = Run(self.name, target.ctx.model, params, prompt, target.n_ctx)
+        run = Run(self.name, target.model, params, prompt, target.n_ctx)
         la = LookaheadWindow(target, self.config, prompt)
         first_token: list[int] = []
 

@@ -68,7 +68,7 @@ class PromptLookup:
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
-        run = Run(self.name, self.target.ctx.model, params, prompt, self.target.n_ctx)
+        run = Run(self.name, self.target.model, params, prompt, self.target.n_ctx)
         index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
 
         def step() -> Iterator[Event]:

@@ -38,7 +38,7 @@ class SpeculativeSampling:
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
-        run = Run(self.name, self.target.ctx.model, params, prompt, min(self.target.n_ctx, self.draft.n_ctx))
+        run = Run(self.name, self.target.model, params, prompt, min(self.target.n_ctx, self.draft.n_ctx))
         cfg = self.config
         k_cur = cfg.draft_max
 

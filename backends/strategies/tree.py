@@ -52,7 +52,6 @@ from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig
 from backends.cost import DeviceCost, best_tree_size
 from backends.events import Event
 from backends.kv import KvSequence
-from backends.llama import LlamaContext
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.strategies.base import drive, never
@@ -89,20 +88,20 @@ def _top_log_probs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 
 class _Scratch:
-    """The draft context's scratch sequences 1..: forked from a path's sequence, all dropped after drafting."""
+    """The draft cache's scratch sequences 1..: forked from a path's sequence, all dropped after drafting."""
 
-    def __init__(self, ctx: LlamaContext) -> None:
-        self.ctx = ctx
+    def __init__(self, seq: KvSequence) -> None:
+        self.seq = seq
         self.used = 0
 
     def fork(self, src: int) -> int:
         self.used += 1
-        self.ctx.seq_cp(src, self.used, -1, -1)
+        self.seq.fork(src, self.used)
         return self.used
 
     def release(self) -> None:
         for seq in range(1, self.used + 1):
-            self.ctx.seq_rm(seq, -1, -1)
+            self.seq.drop_seq(seq)
 
 
 class TreeSpeculation:
@@ -111,7 +110,7 @@ class TreeSpeculation:
     def __init__(self, target: KvSequence, draft: KvSequence, config: TreeConfig = TreeConfig(),
                  device_cost: Callable[[], DeviceCost | None] = lambda: None) -> None:
         for seq, need, role in ((target, config.target_seqs, "target"), (draft, config.draft_seqs, "draft")):
-            if seq.ctx.config.n_seq_max < need:
+            if seq.n_seq_max < need:
                 raise ValueError(f"tree speculation needs a {role} context with {need} sequences")
         self.target = target
         self.draft = draft
@@ -129,10 +128,7 @@ class TreeSpeculation:
 
     def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> list[int]:
         """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
-        batch = self.draft.batch
-        batch.clear()
-        rows = [batch.add(nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries]
-        self.draft.ctx.decode(batch)
+        rows = self.draft.decode_rows((nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries)
         self.draft_forwards += 1
         return rows
 
@@ -141,7 +137,7 @@ class TreeSpeculation:
         k = self.config.top_k
         nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs(self._root_logits(context), k)]
         layer = list(range(len(nodes)))
-        scratch = _Scratch(self.draft.ctx)
+        scratch = _Scratch(self.draft)
         seq_of = {-1: 0}  # node -> draft sequence holding its path
         for depth in range(1, max_depth):
             expand = sorted(layer, key=lambda i: -nodes[i].logp)[:k]
@@ -150,7 +146,7 @@ class TreeSpeculation:
             rows = self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
-                for t, lp in _top_log_probs(self.draft.ctx.logits(row), k):
+                for t, lp in _top_log_probs(self.draft.logits(row), k):
                     layer.append(len(nodes))
                     nodes.append(_Node(t, i, depth + 1, nodes[i].logp + lp))
         scratch.release()
@@ -159,7 +155,7 @@ class TreeSpeculation:
     def _draft_static(self, context: list[int], max_depth: int) -> list[_Node]:
         """llama.cpp's speculative.cpp: extend every branch by its top candidate, split off likely others."""
         cfg = self.config
-        scratch = _Scratch(self.draft.ctx)
+        scratch = _Scratch(self.draft)
         live = [_Branch(-1, 0, self._root_logits(context))]
         n_branches = 1
         nodes: list[_Node] = []
@@ -185,7 +181,7 @@ class TreeSpeculation:
             if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
                 break
             rows = self._decode(len(context), nodes, grown)
-            live = [_Branch(i, seq, self.draft.ctx.logits(row)) for (i, seq), row in zip(grown, rows)]
+            live = [_Branch(i, seq, self.draft.logits(row)) for (i, seq), row in zip(grown, rows)]
         scratch.release()
         return nodes
 
@@ -229,7 +225,7 @@ class TreeSpeculation:
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]:
         target = self.target
-        run = Run(self.name, target.ctx.model, params, prompt, min(target.n_ctx, self.draft.n_ctx))
+        run = Run(self.name, target.model, params, prompt, min(target.n_ctx, self.draft.n_ctx))
         totals = {"tree_nodes": 0, "tree_depth": 0, "tree_leaves": 0, "batch_tokens": 0, "drafted_nodes": 0}
         self.draft_forwards = 0
 
@@ -255,12 +251,10 @@ class TreeSpeculation:
                     paths[i].add(leaf_no)
                     i = nodes[i].parent
             target.share_with(len(leaves) + 1)
-            batch = target.batch
-            batch.clear()
-            batch.add(run.pending, n_past, range(len(leaves) + 1), True)
-            rows = [batch.add(n.token, n_past + n.depth, sorted(paths[i]), True) for i, n in enumerate(nodes)]
-            target.ctx.decode(batch)
-            totals["batch_tokens"] += len(batch)
+            entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
+            entries += [(n.token, n_past + n.depth, sorted(paths[i]), True) for i, n in enumerate(nodes)]
+            rows = target.decode_rows(entries)[1:]
+            totals["batch_tokens"] += len(entries)
             totals["tree_nodes"] += len(nodes)
             totals["drafted_nodes"] += drafted
             totals["tree_leaves"] += len(leaves)
