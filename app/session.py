@@ -9,6 +9,20 @@ The conversation is formatted by `app.prompt_format.PromptFormat`: the GGUF's
 chat template when the model has one, one continuing plain-text document for a
 base model (the demo), tokenized whole each turn so the model sees the
 canonical tokens of what the transcript shows.
+
+When the conversation outgrows the context, the prompt is the largest suffix
+of whole user/assistant pairs that fits. Trying suffixes one by one from the
+full conversation costs a render and a tokenization of a nearly whole
+conversation per pair dropped: a turn's cost grows with the square of the
+conversation's length. Instead each message's tokens are counted once (its
+text alone, cached) plus a per-message template overhead learned from the
+last real prompt; that estimate says where the cut should be, and real
+renders and tokenizations around it decide (`first_fitting_cut`), in the
+usual case two of them, each of a prompt about the context's size. The cut
+found is the one trying every suffix from the oldest would find, given that
+dropping a pair never makes the prompt longer (true of chat templates and
+tokenizers in practice; tests/test_chat_session.py checks it against the
+simple rule on random conversations).
 """
 
 from __future__ import annotations
@@ -39,6 +53,50 @@ class TurnRequest:
     options: StrategyOptions
 
 
+def estimated_cut(cost: Callable[[int], float], n_messages: int, new_cost: float, budget: float) -> int:
+    """The fewest pairs to drop from the front of `n_messages` messages (message i costing `cost(i)`)
+    so that the rest and a new message costing `new_cost` stay within `budget`.
+
+    Walks back from the newest message, so it costs the length of what is kept, not of the conversation.
+    """
+    total = new_cost
+    for k in range((n_messages + 1) // 2 - 1, -1, -1):  # keep messages[2k:] while they fit
+        total += sum(cost(i) for i in range(2 * k, min(2 * k + 2, n_messages)))
+        if total > budget:
+            return k + 1
+    return 0
+
+
+def first_fitting_cut(fits: Callable[[int], bool], hint: int, last: int) -> int:
+    """The smallest k in [0, last] with fits(k), for a monotone fits (false ... false, true ... true)
+    that is true at `last`.
+
+    Gallops away from `hint` (steps of 1, 2, 4, ...) until the answer is bracketed, then bisects:
+    two calls of fits when the hint is right, O(log of the hint's error) when it is not.
+    """
+    k = min(max(hint, 0), last)
+    if fits(k):
+        hi, step = k, 1  # fits(hi); below, lo is -1 or not fits(lo)
+        lo = hi - step
+        while lo >= 0 and fits(lo):
+            hi, step = lo, 2 * step
+            lo = hi - step
+        lo = max(lo, -1)
+    else:
+        lo, step = k, 1  # not fits(lo); below, fits(hi)
+        hi = min(lo + step, last)
+        while not fits(hi):
+            lo, step = hi, 2 * step
+            hi = min(lo + step, last)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 class ChatSession:
     def __init__(self, engine: Engine, system_prompt: str = "") -> None:
         self.engine = engine
@@ -46,6 +104,8 @@ class ChatSession:
         self.format = PromptFormat(engine)
         self.messages: list[ChatMessage] = []
         self.dropped = 0  # messages of the last prompt left out because the context is full
+        self._text_tokens: dict[str, int] = {}  # tokens of each message's text alone, counted once
+        self._overhead = 0.0  # template tokens per message, learned from the last prompt
 
     @property
     def plain(self) -> bool:
@@ -54,6 +114,7 @@ class ChatSession:
     def reset(self, messages: Sequence[ChatMessage] = ()) -> None:
         """A new chat, or a saved one reopened."""
         self.messages = list(messages)
+        self._text_tokens.clear()
 
     def prompt_tokens(self, user_text: str, reserve: int = 0) -> list[int]:
         """The conversation plus the new message, as the target will see it.
@@ -63,13 +124,30 @@ class ChatSession:
         transcript), as chat apps do; `dropped` says how many messages.
         """
         n_ctx = min(seq.n_ctx for seq in (self.engine.target, self.engine.draft) if seq is not None)
-        history = self.messages
-        while True:
-            tokens = self._tokens([*history, ChatMessage("user", user_text)])
-            if len(tokens) + reserve <= n_ctx or not history:
-                self.dropped = len(self.messages) - len(history)
-                return tokens
-            history = history[2:]  # one user message and its answer
+        history, user = self.messages, ChatMessage("user", user_text)
+        last = (len(history) + 1) // 2  # dropping this many pairs leaves no history
+        tried: dict[int, list[int]] = {}
+
+        def fits(k: int) -> bool:  # one real render and tokenization of a prompt about the context's size
+            if k not in tried:
+                tried[k] = self._tokens([*history[2 * k:], user])
+            return k == last or len(tried[k]) + reserve <= n_ctx
+
+        def cost(i: int) -> float:
+            return self._text_cost(history[i].content) + self._overhead
+
+        hint = estimated_cut(cost, len(history), self._text_cost(user_text) + self._overhead, n_ctx - reserve)
+        k = first_fitting_cut(fits, hint, last)
+        tokens = tried[k]
+        kept = [*history[2 * k:], user]
+        self._overhead = (len(tokens) - sum(self._text_cost(m.content) for m in kept)) / len(kept)
+        self.dropped = min(2 * k, len(history))
+        return tokens
+
+    def _text_cost(self, text: str) -> int:
+        if text not in self._text_tokens:
+            self._text_tokens[text] = len(self.engine.target_model.tokenize(text, add_special=False))
+        return self._text_tokens[text]
 
     def _tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
         return self.format.tokens(messages, self.system_prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
@@ -11,14 +12,14 @@ from app.chat_command import settings_from_flags
 from app.chat_template import ChatMessage, ChatTemplateError, render_chat
 from app.cli import build_parser
 from app.conversations import Conversation, ConversationStore
-from app.session import ChatSession, TurnRequest
+from app.session import ChatSession, TurnRequest, estimated_cut, first_fitting_cut
 from app.settings import Settings, load_settings, save_settings
 from backends.engine import Engine, EngineConfig, StrategyOptions
 from backends.events import Done, until_done
 from backends.sampling import GenParams
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.tree import TreeConfig
-from gguf_factory import write_llama_gguf
+from gguf_factory import WORDS, write_llama_gguf
 from models.files import write_atomic
 
 # A Gemma-style template: BOS written by the template, turns marked with plain-text tags.
@@ -171,3 +172,99 @@ def test_bad_chat_flag_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch) -> 
     assert main(["chat", "-m", "model.gguf", "--temp", "-1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["specchat: error: temperature must be >= 0"]
+
+
+# -- where the prompt is cut when the conversation outgrows the context ------------------------------
+
+
+def reference_prompt(session: ChatSession, user_text: str, reserve: int) -> tuple[list[int], int]:
+    """The simple rule, one full render and tokenization per pair tried: drop pairs from the front until it fits."""
+    n_ctx = session.engine.target.n_ctx
+    history = session.messages
+    while True:
+        tokens = session.format.tokens([*history, ChatMessage("user", user_text)], session.system_prompt)
+        if len(tokens) + reserve <= n_ctx or not history:
+            return tokens, len(session.messages) - len(history)
+        history = history[2:]
+
+
+def random_text(rng: random.Random, most_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, most_words)))
+
+
+def random_conversation(rng: random.Random, n_messages: int) -> list[ChatMessage]:
+    return [ChatMessage("user" if i % 2 == 0 else "assistant", random_text(rng, 25)) for i in range(n_messages)]
+
+
+@pytest.mark.parametrize("last", range(0, 12))
+def test_first_fitting_cut_finds_the_boundary_from_any_hint(last) -> None:
+    for answer in range(last + 1):
+        for hint in range(-2, last + 3):
+            calls: list[int] = []
+
+            def fits(k: int) -> bool:
+                calls.append(k)
+                return k >= answer
+
+            assert first_fitting_cut(fits, hint, last) == answer, (answer, hint)
+            assert all(0 <= k <= last for k in calls) and len(calls) == len(set(calls))
+            if hint == answer:
+                assert len(calls) <= 2
+
+
+def test_estimated_cut_keeps_the_largest_suffix_within_budget() -> None:
+    costs = [5, 1, 4, 4, 2, 2]  # pairs cost 6, 8, 4
+    assert estimated_cut(costs.__getitem__, 6, 3, 100) == 0
+    assert estimated_cut(costs.__getitem__, 6, 3, 7) == 2  # the last pair and the new message: 7
+    assert estimated_cut(costs.__getitem__, 6, 3, 6) == 3  # not even the last pair
+    assert estimated_cut(costs.__getitem__, 6, 3, 15) == 1
+    assert estimated_cut([5, 1, 4].__getitem__, 3, 1, 5) == 1  # an odd history: a lone last message
+
+
+@pytest.fixture(scope="module")
+def small_context_engines(tiny, tmp_path_factory):
+    """A chat-template model and a plain base model, each with a 256-token context."""
+    chat_model = write_llama_gguf(tmp_path_factory.mktemp("cut") / "chat.gguf", chat_template=TEMPLATE)
+    engines = {name: Engine(EngineConfig(target=path, n_ctx=256, threads=1))
+               for name, path in (("template", chat_model), ("plain", tiny.target))}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ["template", "plain"])
+def test_cut_equals_the_simple_rule_on_random_conversations(small_context_engines, kind) -> None:
+    engine = small_context_engines[kind]
+    rng = random.Random(7)
+    cuts = set()
+    for case in range(40):
+        session = ChatSession(engine, system_prompt=random_text(rng, 6) if case % 3 else "")
+        session.reset(random_conversation(rng, rng.randint(0, 40)))
+        for _ in range(3):  # later turns start from what the session learned
+            user_text, reserve = random_text(rng, 30), rng.choice([0, 16, 64, 200])
+            expected, dropped = reference_prompt(session, user_text, reserve)
+            assert session.prompt_tokens(user_text, reserve) == expected
+            assert session.dropped == dropped
+            cuts.add(dropped if dropped < len(session.messages) else "all")
+            session.messages += [ChatMessage("user", user_text), ChatMessage("assistant", random_text(rng, 25))]
+    assert 0 in cuts and "all" in cuts and len(cuts) > 8, cuts  # the cases cut at many places
+
+
+def test_a_long_conversation_costs_a_few_tokenizations_per_turn(small_context_engines, monkeypatch) -> None:
+    session = ChatSession(small_context_engines["template"])
+    rng = random.Random(3)
+    session.reset(random_conversation(rng, 600))
+    calls: list[int] = []
+    real_tokens = session.format.tokens
+    monkeypatch.setattr(session.format, "tokens", lambda messages, system="": calls.append(len(messages))
+                        or real_tokens(messages, system))
+    per_turn = []
+    for _ in range(20):
+        calls.clear()
+        user_text = random_text(rng, 10)
+        session.prompt_tokens(user_text, 32)
+        assert session.dropped >= 560
+        assert max(calls) < 40  # never the whole conversation
+        per_turn.append(len(calls))
+        session.messages += [ChatMessage("user", user_text), ChatMessage("assistant", random_text(rng, 25))]
+    assert max(per_turn[1:]) <= 4 and sum(per_turn[1:]) / len(per_turn[1:]) <= 2.5, per_turn

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from backends.cost import BatchCost, DeviceCost, best_tree_size
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine, EngineConfig, StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.tree import AUTO, AUTO_K_MAX, TreeConfig, TreeSpeculation
 from engine_helpers import run_to_done
@@ -166,3 +166,18 @@ def test_auto_budget_in_a_real_run(tiny_engine: Engine) -> None:
     _, steep = _auto_run(tiny_engine, DeviceCost(_curve(1.0), 0.0))
     assert steep.stats.extra["mean_tree_nodes"] == 0 and steep.stats.drafted == 0
     assert flat.tokens == steep.tokens == ref.tokens
+
+
+def test_tree_near_the_end_of_the_context_does_not_fail(tiny) -> None:
+    """A tree step needs a cache cell per drafted node, not per depth: near the end it must fall back in time."""
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.same_draft, n_ctx=256, threads=1, n_seq_max=32))
+    try:
+        assert engine.target.n_ctx == 256
+        for n_prompt in range(240, 251, 2):
+            prompt = (engine.tokenize("the cat sat on the mat " * 40))[:n_prompt]
+            ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=64))
+            got = run_to_done(engine, "tree", prompt, GenParams(max_tokens=64),
+                              StrategyOptions(tree=TreeConfig(depth=2, top_k=4, nodes=8)))
+            assert got.reason == ref.reason == "length" and got.tokens == ref.tokens
+    finally:
+        engine.close()

@@ -8,14 +8,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from rich.markdown import Markdown
+from textual.app import App
+from textual.widgets import Markdown, Static
 
 from app.cli import main
 from app.render import TRUECOLOR
 from app.settings import load_settings
-from app.tui.transcript import AnswerView, UserMessage
+from app.tui.transcript import AnswerView, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
-from backends.events import REJECTED
+from backends.events import ACCEPTED, REJECTED, TARGET, Token
 from backends.sampling import GenParams
 from engine_helpers import run_to_done
 from tui_helpers import app_for, errors, send, tiny_settings, wait_for, wait_loaded
@@ -165,17 +166,25 @@ def test_speculation_view_toggles_colours_and_markdown(tiny, tmp_path) -> None:
             await wait_loaded(pilot)
             await send(pilot, "a b")
             answer = app.chat.transcript.answers()[0]
-            assert answer.view_renderable() is answer.coloured
+            assert answer.spec.display and not answer.markdown.display
+            assert answer.spec.content is answer.coloured  # every token, rejected drafts too
             styles = {str(span.style) for span in answer.coloured.spans}
             palette = TRUECOLOR
             assert {palette.accepted, palette.rejected, palette.correction} <= styles, styles
             rejected = [t for t in answer.tokens if t.kind == REJECTED]
             assert rejected and all(t.text not in ("", None) for t in rejected)
+            assert answer.markdown.source == ""  # the hidden view is not fed while streaming
             await pilot.press("f3")
             assert app.chat.settings.speculation_view is False
-            shown = answer.view_renderable()
-            assert isinstance(shown, Markdown) and shown.markup == answer.output_text
+            assert answer.markdown.display and not answer.spec.display
+            await wait_for(pilot, lambda: answer.markdown.source == answer.output_text, "the Markdown view")
             assert load_settings(tmp_path / "config" / "settings.json")[0].speculation_view is False
+            await send(pilot, "c d")  # streamed straight into the Markdown view
+            second = app.chat.transcript.answers()[1]
+            await wait_for(pilot, lambda: second.markdown.source == second.output_text, "the streamed Markdown")
+            assert second.markdown.display and second.output_text
+            await pilot.press("f3")
+            assert second.spec.display and second.spec.content is second.coloured
 
     asyncio.run(scenario())
 
@@ -211,3 +220,118 @@ def test_settings_and_conversations_persist_and_reopen(tiny, tmp_path) -> None:
             assert len(chat.session.messages) == 4
 
     asyncio.run(second_session())
+
+
+# Markdown whose blocks change type as text streams in: a heading, a list that grows, a fence
+# split mid-line, a table, emphasis opened in one batch and closed in the next.
+STREAMED_MARKDOWN = (
+    "# Colours\n\nThe *primary* colours are:\n\n- red\n- green\n- blue\n\n"
+    "```python\nprint('hi')\nx = 1\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+    "A **bold** end.\n1. one\n2. two\n"
+)
+
+
+def markdown_blocks(markdown: Markdown) -> list[tuple[str, str]]:
+    """The widget tree a Markdown widget built: block types and their text, in order.
+
+    Table cells are compared by their text only: Textual builds the cells of rows that arrive
+    by appending as plain `Static`s, of rows parsed at once as a `Static` subclass.
+    """
+    def described(widget) -> tuple[str, str]:
+        if isinstance(widget, Static) and widget.has_class("cell"):
+            return "cell", str(widget.content)
+        return type(widget).__name__, widget._content.plain if hasattr(widget, "_content") else ""
+
+    return [described(b) for b in markdown.walk_children()]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_streamed_markdown_equals_the_whole_document(batch) -> None:
+    """Fed in batches (rejected drafts among them, as speculation streams them), the view is the
+    same widget tree as the whole answer rendered at once; toggling views keeps it."""
+    pieces = [STREAMED_MARKDOWN[i:i + 5] for i in range(0, len(STREAMED_MARKDOWN), 5)]
+    tokens = []
+    for i, piece in enumerate(pieces):
+        if i % 4 == 1:
+            tokens.append(Token(0, "## no", REJECTED, source="draft"))
+        tokens.append(Token(i, piece, ACCEPTED if i % 2 else TARGET, source="draft" if i % 2 else "target"))
+
+    class Harness(App):
+        def compose(self):
+            yield AnswerView(speculation_view=False)
+            yield Markdown(STREAMED_MARKDOWN.removesuffix("\n"), id="whole")
+
+    async def scenario() -> None:
+        app = Harness()
+        async with app.run_test(size=(100, 60)) as pilot:
+            answer = app.query_one(AnswerView)
+            for i in range(0, len(tokens), batch):
+                answer.add_tokens(tokens[i:i + batch])
+                if i % (3 * batch) == 0:
+                    answer.set_view(True)  # the user looks at the colours for a while
+                    await pilot.pause()
+                    answer.set_view(False)
+                await pilot.pause()
+            answer.finish("\n")
+            await wait_for(pilot, lambda: answer.markdown.source == STREAMED_MARKDOWN + "\n", "the last append")
+            await pilot.pause()
+            assert answer.output_text == STREAMED_MARKDOWN + "\n"
+            expected = markdown_blocks(app.query_one("#whole", Markdown))
+            assert len(expected) > 10
+            assert markdown_blocks(answer.markdown) == expected
+
+    asyncio.run(scenario())
+
+
+def test_saved_answer_reopens_in_either_view() -> None:
+    """A reopened conversation: `finish` alone, before the view is even mounted, shows the saved text."""
+    class Harness(App):
+        def compose(self):
+            yield from ()
+
+    async def scenario() -> None:
+        app = Harness()
+        async with app.run_test(size=(100, 40)) as pilot:
+            answer = AnswerView(speculation_view=False)
+            app.mount(answer)
+            answer.finish(STREAMED_MARKDOWN)
+            await wait_for(pilot, lambda: answer.markdown.source == STREAMED_MARKDOWN, "the saved answer")
+            await pilot.pause()
+            assert any(type(b).__name__ == "MarkdownFence" for b in answer.markdown.walk_children())
+            answer.set_view(True)
+            assert answer.spec.display and answer.spec.content.plain == STREAMED_MARKDOWN
+            answer.set_view(False)
+            await pilot.pause()
+            assert answer.markdown.source == STREAMED_MARKDOWN  # not appended twice
+
+    asyncio.run(scenario())
+
+
+def test_transcript_follows_a_growing_markdown_answer_unless_scrolled_up() -> None:
+    """Markdown grows after the batch that caused it (when the stream's append runs): the
+    transcript still keeps its end in view, and leaves the reader alone once they scroll up."""
+    lines = [Token(i, f"Paragraph {i}.\n\n", TARGET) for i in range(40)]
+
+    class Harness(App):
+        def compose(self):
+            yield Transcript()
+
+    async def scenario() -> None:
+        app = Harness()
+        async with app.run_test(size=(60, 12)) as pilot:
+            transcript = app.query_one(Transcript)
+            answer = transcript.add(AnswerView(speculation_view=False))
+            for i in range(0, 20, 4):
+                answer.add_tokens(lines[i:i + 4])
+                await pilot.pause()
+            await wait_for(pilot, lambda: transcript.max_scroll_y > 10 and transcript.scroll_y == transcript.max_scroll_y,
+                           "the transcript to follow the answer", 10)
+            transcript.scroll_home(animate=False)
+            await pilot.pause()
+            answer.add_tokens(lines[20:])
+            answer.finish("")
+            await wait_for(pilot, lambda: answer.markdown.source == answer.output_text, "the last append")
+            await pilot.pause(0.2)
+            assert transcript.scroll_y == 0 < transcript.max_scroll_y
+
+    asyncio.run(scenario())

@@ -6,19 +6,38 @@ figure of Leviathan et al. 2023 (accepted draft green, rejected draft red and
 struck through, the target's correction blue, the target's own tokens in the
 default colour; app.render.token_style, shared with the CLI); off, the
 output text is rendered as Markdown.
+
+The Markdown view is Textual's `Markdown` widget fed through a
+`MarkdownStream`: each streamed batch appends only its new text, and the
+widget re-parses only from its last top-level block, so an answer costs
+about linear time to show. Re-rendering the whole answer as one Markdown
+document on every batch (as a `Static` must) costs time quadratic in the
+answer's length, and on a 2-core machine that time is taken from
+generation. Each view is kept up to date only while it is shown: the
+Markdown widget catches up with one append when the user switches to it.
+
+The transcript follows its end while content grows, unless the user has
+scrolled up to read; it decides when the content's height changes, since a
+Markdown answer grows only once its stream's append has run.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from rich.markdown import Markdown
 from rich.text import Text
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import Static
+from textual.geometry import Size
+from textual.widget import Widget
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
 
 from app.render import TRUECOLOR, token_style
 from backends.events import REJECTED, Token
+
+PLACEHOLDER = "…"  # shown until the first token arrives
+FOLLOW_SLACK = 2  # lines from the end within which the transcript still follows new content
 
 
 class UserMessage(Static):
@@ -33,27 +52,67 @@ class Note(Static):
         super().__init__(text, markup=False, classes=kind)
 
 
-class AnswerView(Static):
+def unsent(pieces: list[str], sent: int) -> tuple[str, int]:
+    """The text of `pieces` after the first `sent`, and the new count sent."""
+    return "".join(pieces[sent:]), len(pieces)
+
+
+class AnswerView(Widget):
+    """One answer: a `Static` for the speculation view (and the placeholder), a `Markdown` for the other."""
+
+    DEFAULT_CSS = """
+    AnswerView {
+        height: auto;
+        layout: vertical;
+    }
+    AnswerView > Markdown {
+        padding: 0;
+    }
+    AnswerView > Markdown > MarkdownParagraph:last-child {
+        margin-bottom: 0;
+    }
+    """
+
     def __init__(self, speculation_view: bool) -> None:
-        super().__init__("…")
+        super().__init__()
         self.speculation_view = speculation_view
         self.tokens: list[Token] = []
         self.tail = ""
         self._coloured = Text()
+        self._output: list[str] = []  # the output text in pieces: accepted and target tokens, then the tail
+        self._sent = 0  # pieces of _output already written to the Markdown widget
+        self._stream: MarkdownStream | None = None
+        self.spec = Static(PLACEHOLDER, markup=False)
+        self.markdown = Markdown()
+
+    def compose(self) -> ComposeResult:
+        yield self.spec
+        yield self.markdown
+
+    def on_mount(self) -> None:
+        self._show()
+
+    async def on_unmount(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
 
     @property
     def output_text(self) -> str:
-        return "".join(t.text for t in self.tokens if t.kind != REJECTED) + self.tail
+        return "".join(self._output)
 
     def add_tokens(self, tokens: Iterable[Token]) -> None:
         for tok in tokens:
             self.tokens.append(tok)
             self._coloured.append(tok.text, style=token_style(tok, TRUECOLOR))
+            if tok.kind != REJECTED:
+                self._output.append(tok.text)
         self._show()
 
     def finish(self, tail: str) -> None:
+        """The end of the answer: the text no token carried (also a saved answer, shown with no tokens)."""
         self.tail = tail
         self._coloured.append(tail)
+        self._output.append(tail)
         self._show()
 
     def set_view(self, speculation_view: bool) -> None:
@@ -65,30 +124,53 @@ class AnswerView(Static):
         """The speculation view: every token, rejected ones included, styled by origin."""
         return self._coloured
 
-    def view_renderable(self) -> Text | Markdown | str:
-        if self.speculation_view:
-            return self._coloured if self._coloured else "…"
-        text = self.output_text  # joined only for the Markdown view, not on every streamed update
-        return Markdown(text) if text.strip() or self._coloured else "…"
+    @property
+    def showing_markdown(self) -> bool:
+        return not self.speculation_view and bool(self._coloured)
 
     def _show(self) -> None:
-        self.update(self.view_renderable())
+        markdown = self.showing_markdown
+        self.spec.display = not markdown
+        self.markdown.display = markdown
+        if markdown:
+            if self._sent < len(self._output):
+                self.call_later(self._send_markdown)
+        else:
+            self.spec.update(self._coloured if self._coloured else PLACEHOLDER)
+
+    async def _send_markdown(self) -> None:
+        """Append what the Markdown widget has not seen yet (runs in this widget's queue: in order, once mounted)."""
+        if not self.showing_markdown or self._sent == len(self._output):
+            return
+        fragment, self._sent = unsent(self._output, self._sent)
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.markdown)
+        await self._stream.write(fragment)
+
+
+def was_at_end(scroll_y: float, content_height: int, view_height: int, slack: int = FOLLOW_SLACK) -> bool:
+    """Whether a view scrolled to `scroll_y` showed the end of content `content_height` lines tall."""
+    return content_height - view_height - scroll_y <= slack
 
 
 class Transcript(VerticalScroll):
-    """Messages in order; follows the newest one unless the user scrolled up to read."""
+    """Messages in order; follows the newest one unless the user scrolled up to read.
 
-    def _follow(self) -> None:
-        if self.max_scroll_y - self.scroll_y <= 2:
-            self.call_after_refresh(self.scroll_end, animate=False)
+    Following is decided when the content grows (a message mounted, an answer's text
+    laid out), against the height before the growth: a Markdown answer grows when its
+    stream's append has run, after the batch of tokens that caused it.
+    """
 
-    def add(self, widget: Static) -> Static:
+    def watch_virtual_size(self, old: Size, new: Size) -> None:
+        if new.height > old.height and was_at_end(self.scroll_y, old.height, self.scrollable_content_region.height):
+            self.scroll_end(animate=False)
+
+    def add(self, widget: Widget) -> Widget:
         self.mount(widget)
-        self._follow()
         return widget
 
     def changed(self) -> None:
-        self._follow()
+        """Kept for callers: the transcript follows growing content by itself."""
 
     def answers(self) -> list[AnswerView]:
         return list(self.query(AnswerView))

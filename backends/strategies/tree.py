@@ -277,7 +277,8 @@ class TreeSpeculation:
             yield run.end_step(len(nodes), n_accepted, "tree")
 
         def step() -> Iterator[Event]:
-            if run.room() < 2 or len(run.context) + self.config.depth + 1 > run.n_ctx:
+            # A step needs a cell for every drafted node (target and draft caches), not only the depth.
+            if run.room() < 2 or len(run.context) + max(self.config.drafted_nodes, self.config.depth) + 1 > run.n_ctx:
                 totals["batch_tokens"] += 1
                 yield from chain_step(run, target, [], None)
             else:
