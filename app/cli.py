@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="target model: .gguf path, or a demo model ('smollm2')")
-    p.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'smollm2-draft'")
+    p.add_argument("-m", "--model", required=True,
+                   help="target model: .gguf path, 'smollm2' or 'demo', an alias, or hf:OWNER/REPO[:QUANT]")
+    p.add_argument("-md", "--model-draft", default=None, help="draft model, e.g. 'smollm2-draft' or 'demo-draft'")
     _add_strategy_flag(p)
 
 

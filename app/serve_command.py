@@ -1,20 +1,110 @@
-"""`specchat serve`: the OpenAI-compatible local server (being built; see app/serve.py)."""
+"""`specchat serve`: flags, loading the engine, and running the server (app/serve.py) on uvicorn.
+
+    specchat serve -m TARGET [-md DRAFT] [-s STRATEGY] [generation flags] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+
+The generation flags are every request's defaults; a request overrides them
+field by field. The server binds 127.0.0.1 unless told otherwise, and says so
+on stderr when it listens anywhere else. With `--api-key` (or
+SPECCHAT_API_KEY, which keeps the key out of the process list) every /v1
+route wants `Authorization: Bearer KEY`. One line on stderr gives the URL once
+the model is loaded and the socket listens; Ctrl-C (uvicorn's own handling)
+cancels what is running, stops the worker and frees the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
 from typing import Callable
 
+from app.errors import EXIT_OK, EXIT_RUNTIME, UserError
 from app.settings import Settings
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "SPECCHAT_API_KEY"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser],
                      add_model_flags: Callable[[argparse.ArgumentParser], None],
                      add_generation_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    serve = sub.add_parser("serve", help="OpenAI-compatible local server with speculative decoding")
+    serve = sub.add_parser("serve", help="OpenAI-compatible local server with speculative decoding",
+                           description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+                                       "/v1/models, /health) over one engine. The flags below are every request's "
+                                       "defaults; a request's 'speculative' object picks the strategy per request.")
     add_model_flags(serve)
     add_generation_flags(serve)
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default=DEFAULT_HOST,
+                     help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
+    net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 picks a free one (default: {DEFAULT_PORT})")
+    net.add_argument("--api-key", default=None, metavar="KEY",
+                     help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _configure_logging() -> None:
+    logger = logging.getLogger("specchat.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("specchat serve: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _model_ids(reference: str, target_stem: str) -> tuple[str, ...]:
+    """The listed id is the target file's stem; the reference given with -m is accepted too."""
+    return tuple(dict.fromkeys((target_stem, reference)))
 
 
 def run_serve(args: argparse.Namespace, settings: Settings) -> int:
-    raise NotImplementedError("specchat serve is not built yet")
+    import uvicorn
+
+    from app.loading import open_engine
+    from app.serve import N_SEQ_MAX, AnnouncingServer, EngineWorker, ServerConfig, make_app
+    from backends.registry import NEEDS_DRAFT
+
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if settings.strategy in NEEDS_DRAFT and settings.draft is None:
+        raise UserError(f"strategy '{settings.strategy}' needs a draft model (-md DRAFT), or use -s ar")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in LOOPBACK_HOSTS:
+        print(f"specchat serve: warning: listening on {args.host}, reachable from other machines"
+              + ("" if api_key else "; without --api-key anyone who reaches it can use it"),
+              file=sys.stderr, flush=True)
+    _configure_logging()
+    # llama.cpp wants n_seq_max <= n_batch (it reserves an output row per sequence).
+    engine = open_engine(settings, min(N_SEQ_MAX, settings.n_batch), _progress, with_draft=True)
+    try:
+        worker = EngineWorker(engine)
+        worker.start()
+        try:
+            config = ServerConfig(
+                defaults=settings, model_ids=_model_ids(settings.target or "", engine.config.target.stem),
+                api_key=api_key, draft_id=engine.config.draft.stem if engine.config.draft else None,
+            )
+            server = AnnouncingServer(
+                uvicorn.Config(make_app(config, worker), host=args.host, port=args.port, log_level="warning",
+                               access_log=False, lifespan="off", timeout_graceful_shutdown=10),
+                config.model_ids[0], worker.cancel_all)
+            try:
+                server.run()
+            except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+                pass
+            except SystemExit:  # uvicorn could not start (it logged why: the port is taken, ...)
+                print(f"specchat: error: cannot serve on {args.host}:{args.port}", file=sys.stderr)
+                return EXIT_RUNTIME
+        finally:
+            worker.stop()
+    finally:
+        engine.close()
+    print("specchat serve: stopped", file=sys.stderr, flush=True)
+    return EXIT_OK

@@ -15,10 +15,11 @@ from pathlib import Path
 from backends.config import AUTO_K_MAX, StrategyOptions
 from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence
-from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads
+from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
 from backends.strategies.base import Strategy
 from models.compat import require_compatible
+from models.errors import ModelError
 from models.gguf_info import validate_gguf
 from models.paths import data_dir
 
@@ -53,13 +54,17 @@ def cost_cache_path(configured: Path | None) -> Path | None:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.n_seq_max > max_sequences():
+            raise ModelError(f"these settings need {config.n_seq_max} sequences in one context, more than the "
+                             f"{max_sequences()} llama.cpp allows (lookahead needs W+G+1, a tree one per path)")
         self.config = config
         self.target_info = validate_gguf(config.target)
         if config.draft is not None:
             require_compatible(self.target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
         self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
-        ctx_config = replace(ctx_config, n_seq_max=config.n_seq_max)
+        # llama.cpp aborts when a context has more sequences than batch rows (n_outputs_max): never ask it to.
+        ctx_config = replace(ctx_config, n_seq_max=max(1, min(config.n_seq_max, config.n_batch, config.n_ctx)))
         self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
         self.draft_model: LlamaModel | None = None
         self.draft: KvSequence | None = None

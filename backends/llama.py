@@ -96,6 +96,11 @@ def build_info() -> str:
         "utf-8", errors="replace").strip()
 
 
+def max_sequences() -> int:
+    """The most sequence ids a llama.cpp context may have (LLAMA_MAX_SEQ)."""
+    return int(llama_cpp.llama_max_parallel_sequences())
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 

@@ -131,3 +131,53 @@ def test_context_smaller_than_the_batch_does_not_abort(tiny) -> None:
     assert 160 < n_prompt < 240
     r = _cli("run", prompt, "-m", str(tiny.target), "-s", "ar", "-n", "8", "-c", "160", "--no-color")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-s", "lookahead", "-W", "1000", "-N", "50", "-G", "1000"], "2001 sequences"),
+    (["-s", "lookahead", "-W", "60", "-N", "20", "-G", "60"], "batch of 2280 tokens, more than the batch size 512"),
+    (["-b", "0"], "batch size (-b) must be at least 1"),
+    (["-t", "0"], "thread count (-t) must be at least 1"),
+    (["-t", "-3"], "thread count (-t) must be at least 1"),
+    (["--seed", "-2"], "-1 for a random one"),
+    (["--rpc", "nohost"], "expected HOST:PORT"),
+])
+def test_bad_settings_name_the_real_cause(tiny, args: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "app", "run", "hi", "-m", str(tiny.target), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_seed_minus_one_is_a_random_seed(tiny) -> None:
+    outs = {_cli("run", "the cat", "-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", "--temp", "1",
+                 "--seed", "-1").stdout for _ in range(3)}
+    assert len(outs) > 1, "a random seed each run"
+
+
+def test_stdin_that_is_not_utf8_is_one_line(tiny) -> None:
+    r = subprocess.run([sys.executable, "-m", "app", "run", "-", "-m", str(tiny.target), "-t", "1"],
+                       input=b"caf\xe9 au lait", capture_output=True, timeout=120)
+    assert r.returncode == 1
+    err = r.stderr.decode()
+    assert len(err.strip().splitlines()) == 1 and "not UTF-8" in err and "0xe9 at offset 3" in err
+
+
+def test_a_closed_pipe_ends_quietly(tiny) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "app", "run", "the cat", "-m", str(tiny.target), "-s", "ar",
+                             "-n", "3000", "--temp", "0", "--no-color", "-t", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(50)
+    proc.stdout.close()  # the reader goes away, as `| head -c 50` does
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err.decode().strip() == ""
+
+
+def test_more_sequences_than_batch_rows_does_not_abort(tiny) -> None:
+    """llama.cpp aborts (GGML_ASSERT) on a context with n_seq_max > n_batch: the chat app asks for 64 sequences."""
+    code = ("from backends.engine import Engine, EngineConfig\n"
+            f"e = Engine(EngineConfig(target={str(tiny.target)!r}, n_batch=16, n_seq_max=64, threads=1))\n"
+            "print(e.target.n_seq_max)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "16"
