@@ -221,3 +221,20 @@ def test_auto_equals_ar_demo(demo_engine: Engine, text: str) -> None:
     for _ in range(2):
         got = run_to_done(demo_engine, "auto", prompt, GenParams(max_tokens=48))
         assert got.tokens == ref.tokens
+
+
+def test_run_needs_no_draft_by_default(tiny) -> None:
+    """`specchat run "..." -m model.gguf` just works: the default is auto, which needs no draft model."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "app", "run", "the cat sat", "-m", str(tiny.target), "-t", "1",
+                        "-n", "24", "--temp", "0", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    done = lines[-1]
+    assert done["stats"]["strategy"] == "auto" and len(done["tokens"]) == 24
+    steps = [e for e in lines if e["type"] == "step"]
+    assert steps and all(e["choice"] in ("plain", "lookup", "lookahead") for e in steps)
+    assert sum(done["stats"]["steps_by_choice"].values()) == len(steps)
