@@ -22,11 +22,10 @@ from app.models_command import add_models_parser, run_models
 from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
-from app.settings import CHAT_TEMPERATURE, GENERATION, Settings, apply_flags
-from backends.config import AUTO, SHAPES, LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions, TreeConfig
+from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
+from backends.config import AUTO, SHAPES, LookaheadConfig, LookupConfig, SpsConfig, TreeConfig
 from backends.registry import DEFAULT_STRATEGY, NEEDS_DRAFT, REGISTRY, n_seq_needed
 from backends.events import Done
-from backends.sampling import GenParams
 
 DEMO_PROMPT = "Once upon a time, in a small village,"
 
@@ -245,11 +244,6 @@ def settings_from_args(args: argparse.Namespace, only: tuple[str, ...] = ("",)) 
         return apply_flags(Settings(), args, only)
     except ValueError as e:
         raise UserError(str(e)) from None
-
-
-def _params_and_options(args: argparse.Namespace) -> tuple[GenParams, StrategyOptions]:
-    settings = settings_from_args(args, GENERATION)
-    return settings.params, settings.options
 
 
 def generate(args: argparse.Namespace) -> int:
