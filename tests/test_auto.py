@@ -20,7 +20,7 @@ from backends.config import AutoConfig, LookaheadConfig, LookupConfig, StrategyO
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.strategies.auto import Acceptance, best_chain_length, confidence_bin
+from backends.strategies.auto import Acceptance, AutoState, best_chain_length, confidence_bin
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -38,9 +38,13 @@ def steep(k_max: int = 16) -> BatchCost:
 
 
 def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int = 8) -> Engine:
+    """An engine on a synthetic device: `cost` is what Engine.device_cost hands out, and auto keeps its times
+    (it learns acceptance only), so its decisions do not depend on how busy the test machine is."""
     engine = Engine(EngineConfig(target=tiny_files.target, draft=draft, n_ctx=1024, threads=1, n_seq_max=n_seq,
                                  cost_cache=Path("")))
-    engine._cost = cost  # what Engine.device_cost hands out (a synthetic device)
+    engine._cost = cost
+    if cost is not None:
+        engine.auto_state = AutoState(learn_timing=False)
     return engine
 
 
@@ -133,12 +137,7 @@ def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) ->
 # -- real runs --------------------------------------------------------------------------------------------------------
 
 def test_auto_speculates_on_a_cheap_device_and_not_on_a_dear_one(tiny) -> None:
-    """Identical draft (accepts all) on a flat curve: drafts verified in batches. A steep curve and dear draft: none.
-
-    The curve's shape is the synthetic one; step times are measured live (on
-    the tiny models a draft token costs as much as a target token, which keeps
-    the chains short).
-    """
+    """Identical draft (accepts all), a flat curve and a cheap draft: long drafts. A steep curve and dear draft: none."""
     cheap = _engine(tiny, tiny.same_draft, DeviceCost(flat(), 0.05))
     dear = _engine(tiny, tiny.same_draft, DeviceCost(steep(), 1.0))
     try:
@@ -148,7 +147,7 @@ def test_auto_speculates_on_a_cheap_device_and_not_on_a_dear_one(tiny) -> None:
             fast = run_to_done(cheap, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
         assert fast.tokens == ref.tokens
         assert fast.stats.steps_by_choice.get("draft", 0) > 0
-        assert fast.stats.mean_accepted_per_forward > 2
+        assert fast.stats.mean_accepted_per_forward > 4
         assert fast.stats.tokens_by_source.get("draft", 0) > 32
         slow = run_to_done(dear, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
         assert slow.tokens == ref.tokens
@@ -188,15 +187,24 @@ def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
         engine.close()
 
 
-def test_auto_keeps_the_target_law(tiny) -> None:
-    """Mixed steps (draft chains with rejection sampling, lookup and lookahead one-hot, plain) at temperature 1."""
+@pytest.mark.parametrize("proposers, mixed", [
+    ({"lookup": False}, {"draft", "plain"}),
+    ({}, {"lookup", "draft", "plain"}),
+], ids=["draft-plain", "all"])
+def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: set[str]) -> None:
+    """Mixed steps (draft chains with rejection sampling, lookup one-hot, plain) at temperature 1.
+
+    The outcome is the first two tokens, too few for a lookahead step (it needs room for its n-grams);
+    auto's lookahead steps are LookaheadWindow.step, whose law tests/test_lossless.py checks.
+    """
     small = replace(tiny, target=tiny.small_target)
-    engine = _engine(small, tiny.small_draft, DeviceCost(flat(), 0.1), n_seq=32)
+    engine = _engine(small, tiny.small_draft, DeviceCost(flat(), 0.0), n_seq=32)
     try:
         params = PARAMS["plain"]
         prompt = _copying_prompt(engine)
         law = target_law(engine, prompt, params)
-        options = StrategyOptions(auto=AutoConfig(explore_budget=0.2), lookup=LookupConfig(draft_max=3, ngram_max=2),
+        options = StrategyOptions(auto=AutoConfig(explore_budget=0.2, **proposers),
+                                  lookup=LookupConfig(draft_max=3, ngram_max=2),
                                   lookahead=LookaheadConfig(4, 3, 4, seed_pool_from_prompt=True))
         counts: dict[tuple[int, ...], int] = {}
         choices: Counter[str] = Counter()
@@ -205,8 +213,8 @@ def test_auto_keeps_the_target_law(tiny) -> None:
             key = outcome(engine, done)
             counts[key] = counts.get(key, 0) + 1
             choices.update(done.stats.steps_by_choice)
-        assert {"draft", "lookup", "plain"} <= set(choices), f"the test must mix steps: {choices}"
-        assert min(choices["draft"], choices["lookup"]) > 100, choices
+        assert min(choices[c] for c in mixed) > 40, f"the test must mix steps: {choices}"
+        assert sum(choices[c] for c in mixed if c != "plain") > 1000, choices
         p_value = fits_law(counts, law)
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
     finally:

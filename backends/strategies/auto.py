@@ -69,6 +69,9 @@ if TYPE_CHECKING:
 PLAIN, DRAFT, LOOKUP, LOOKAHEAD = "plain", "draft", "lookup", "lookahead"
 CONFIDENCE_BINS = 10
 MAX_POSITION = 12
+# Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
+# bounds it when an estimate is wrong (an option tried once per 64 steps costs at most ~1/64 of its step).
+MIN_EXPLORE_INTERVAL = 64
 
 
 class Acceptance:
@@ -126,19 +129,28 @@ class AutoState:
     draft_by_pos: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.5))
     # Lookup: by (match length, position).
     lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.3))
-    lookahead_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))  # tokens per lookahead step
-    # What a draft step (drafting with its stopping rule, then verifying) really yields and costs.
+    # What a lookahead step and a draft step (drafting with its stopping rule, then verifying) really
+    # yield, and cost in plain steps: measured against the plain step's time of the moment, so that a
+    # busy machine, which slows every kind of step alike, does not tilt the comparison.
+    lookahead_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))
+    lookahead_cost: Ewma = field(default_factory=lambda: Ewma(0.1))
     draft_step_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))
-    draft_step_seconds: Ewma = field(default_factory=lambda: Ewma(0.1))
-    # Seconds: a plain step; one draft decode; Python overhead per verified row; a lookahead step's residual.
+    draft_step_cost: Ewma = field(default_factory=lambda: Ewma(0.1))
+    # Seconds: a plain step; one draft decode; Python overhead per verified row.
     t_plain: Ewma = field(default_factory=lambda: Ewma(0.1))
     t_draft: Ewma = field(default_factory=lambda: Ewma(0.1))
     row_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
-    lookahead_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
     # Throughput reached: EWMA of tokens and of seconds per step.
     tokens: Ewma = field(default_factory=lambda: Ewma(0.02))
     seconds: Ewma = field(default_factory=lambda: Ewma(0.02))
     since: dict[str, int] = field(default_factory=dict)  # steps since each option was last taken
+    # False: keep the times the device cost gave and learn only acceptance (tests pin a synthetic device so).
+    learn_timing: bool = True
+
+    def time(self, ewma: Ewma, x: float) -> None:
+        """Add a measured time (or time ratio) to one of the timing estimates."""
+        if self.learn_timing:
+            ewma.add(x)
 
 
 @dataclass(frozen=True)
@@ -264,7 +276,7 @@ class _Generation:
         budget = self.cfg.explore_budget / max(n_options, 1)
         if budget <= 0:
             return 1 << 30
-        return max(16, math.ceil(max(extra_seconds, 0.0) / (t_plain * budget)))
+        return max(MIN_EXPLORE_INTERVAL, math.ceil(max(extra_seconds, 0.0) / (t_plain * budget)))
 
     def decide(self, lookup: list[int], match: int) -> Choice:
         st, run = self.state, self.run
@@ -281,9 +293,9 @@ class _Generation:
                            self._chain_of_one(LOOKUP, accept[0], t_plain, row))
         if self.draft is not None and room > 0:
             k_max = min(self.cfg.draft_max, room)
-            if st.draft_step_tokens.value is not None and st.draft_step_seconds.value is not None:
+            if st.draft_step_tokens.value is not None and st.draft_step_cost.value is not None:
                 # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
-                options.append(Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_seconds.value))
+                options.append(Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_cost.value * t_plain))
             else:  # before any draft step: from the acceptance by position
                 t_draft = st.t_draft.get(t_plain * 0.5)
                 accept = [st.draft_by_pos.p(i) for i in range(k_max)]
@@ -291,9 +303,8 @@ class _Generation:
                 options.append(Choice(DRAFT, k_max, tokens, seconds) if k else
                                self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
-            la = self.window.config
-            seconds = t_plain * self.relative(la.batch_size) + st.lookahead_overhead.get(0.0)
-            options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), seconds))
+            cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
+            options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
         best = max([plain, *options], key=lambda o: o.value(rate))
         # Exploration: an option not taken for its interval is tried once, to keep its estimate fresh.
         for o in options:
@@ -367,7 +378,7 @@ class _Generation:
             decodes += 1
         self.draft_decodes += decodes
         if tokens or decodes:
-            st.t_draft.add((time.perf_counter() - t0) / decodes)
+            st.time(st.t_draft, (time.perf_counter() - t0) / decodes)
         return tokens, dists, confs
 
     # -- one step ------------------------------------------------------------
@@ -394,8 +405,8 @@ class _Generation:
         else:
             yield from self._chain([], None, PLAIN, choice, [])
         seconds = time.perf_counter() - t0
-        st.tokens.add(len(run.output) - before)
-        st.seconds.add(seconds)
+        st.time(st.tokens, len(run.output) - before)
+        st.time(st.seconds, seconds)
         run.extra.update(self.stats())
 
     def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
@@ -407,10 +418,10 @@ class _Generation:
         seconds = time.perf_counter() - t0
         self.batch_tokens += len(drafts) + 1
         if not drafts:
-            st.t_plain.add(seconds)
+            st.time(st.t_plain, seconds)
             return
         t_plain = st.t_plain.get(self.t1 or seconds)
-        st.row_overhead.add((seconds - t_plain * self.relative(len(drafts) + 1)) / len(drafts))
+        st.time(st.row_overhead, (seconds - t_plain * self.relative(len(drafts) + 1)) / len(drafts))
         # The proposals the target looked at: the accepted ones and the first refused one.
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted
@@ -429,7 +440,7 @@ class _Generation:
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
-        st.draft_step_seconds.add(time.perf_counter() - t0)
+        st.time(st.draft_step_cost, (time.perf_counter() - t0) / st.t_plain.get(self.t1 or 1.0))
 
     def _lookahead_step(self, choice: Choice) -> Iterator[Event]:
         st, run = self.state, self.run
@@ -442,8 +453,7 @@ class _Generation:
         seconds = time.perf_counter() - t0
         self.batch_tokens += window.config.batch_size
         st.lookahead_tokens.add(len(run.output) - before)
-        t_plain = st.t_plain.get(self.t1 or seconds)
-        st.lookahead_overhead.add(seconds - t_plain * self.relative(window.config.batch_size))
+        st.time(st.lookahead_cost, seconds / st.t_plain.get(self.t1 or seconds))
 
     def stats(self) -> dict[str, object]:
         steps = max(self.run.forwards, 1)
