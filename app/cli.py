@@ -19,6 +19,7 @@ from typing import Callable, NoReturn, Sequence
 from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error
 from app.loading import open_engine
 from app.models_command import add_models_parser, run_models
+from app.rpc_command import add_rpc_parser
 from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(bench, output=False, temp=0.0)
     add_models_parser(sub, _Parser)
     add_serve_parser(sub, _Parser, _add_model_flags, lambda p: _add_generation_flags(p, output=False))
+    add_rpc_parser(sub, _Parser)
     return parser
 
 
@@ -298,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from backends.llama import set_native_logging  # llama.cpp loads only for the commands that run it
 
         set_native_logging(args.debug)
+        if args.command == "rpc-server":
+            from app.rpc_command import run_rpc_server
+
+            return run_rpc_server(args)
         if args.command == "demo":
             if args.color is None:
                 args.color = True

@@ -1,0 +1,205 @@
+"""The target over llama.cpp RPC (`--rpc`, `specchat rpc-server`), on loopback only.
+
+Real RPC servers run as subprocesses (`python -m app --debug rpc-server`,
+with ggml's GGML_RPC_DEBUG log on), so the tests see what the server
+computed: one `graph_compute` / `graph_recompute` line per target forward
+pass it ran. That proves the target's layers ran there and the draft's did
+not (a remote draft would add one per draft token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.llama import RPC_REBUILD_COMMAND, rpc_supported
+
+needs_rpc = pytest.mark.skipif(not rpc_supported(), reason=f"this llama-cpp-python has no RPC: {RPC_REBUILD_COMMAND}")
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "the cat sat"
+COMPUTE = re.compile(r"\[graph_(re)?compute\]")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RpcServer:
+    """`python -m app --debug rpc-server` on 127.0.0.1 (or another loopback address), its log in a file."""
+
+    def __init__(self, log: Path, host: str = "127.0.0.1", *extra: str) -> None:
+        self.host, self.port, self.log = host, _free_port(), log
+        env = dict(os.environ, GGML_RPC_DEBUG="1")
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app", "--debug", "rpc-server", "--host", host, "--port", str(self.port),
+                 "-t", "1", *extra], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        deadline = time.monotonic() + 60
+        while "specchat rpc-server: serving" not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"the RPC server did not start:\n{self.text()}")
+            time.sleep(0.05)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def computes(self) -> int:
+        """Graphs the server has computed so far (GGML_RPC_DEBUG logs one line per graph)."""
+        return len(COMPUTE.findall(self.text()))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rpc_server(tmp_path_factory: pytest.TempPathFactory):
+    server = RpcServer(tmp_path_factory.mktemp("rpc") / "server.log")
+    yield server
+    server.stop()
+
+
+def _run(tiny, strategy: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    draft = ["-md", str(tiny.draft)] if strategy != "ar" else []
+    return subprocess.run(
+        [sys.executable, "-m", "app", "run", PROMPT, "-m", str(tiny.target), *draft, "-s", strategy, "--temp", "0",
+         "--no-color", "-t", "1", "-n", "24", *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@needs_rpc
+@pytest.mark.parametrize("strategy", ["ar", "sps", "lookahead"])
+def test_greedy_output_with_the_target_over_rpc_equals_the_local_target(tiny, rpc_server, strategy) -> None:
+    local = _run(tiny, strategy)
+    assert local.returncode == 0, local.stderr
+    before = rpc_server.computes()
+    remote = _run(tiny, strategy, "--rpc", rpc_server.endpoint)
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and remote.stdout.strip()
+    # The target really ran on the server: at least one graph per forward pass (24 tokens, at most 24 forwards).
+    assert rpc_server.computes() - before >= 8
+
+
+@needs_rpc
+def test_the_draft_runs_locally_while_the_target_is_remote(tiny, rpc_server) -> None:
+    before = rpc_server.computes()
+    r = _run(tiny, "sps", "--rpc", rpc_server.endpoint, "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout.splitlines()[-1])["stats"]
+    computed = rpc_server.computes() - before
+    assert stats["drafted"] >= 8, stats  # enough draft work that a remote draft would show
+    # One graph per target forward (+ at most the prefill's split): the draft's decodes never reached the server.
+    assert stats["target_forwards"] <= computed <= stats["target_forwards"] + 2, (computed, stats)
+
+
+@needs_rpc
+def test_killing_the_server_mid_generation_is_one_line_and_exit_2(tiny, tmp_path) -> None:
+    server = RpcServer(tmp_path / "server.log")
+    proc = None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", "run", PROMPT, "-m", str(tiny.target), "-md", str(tiny.draft), "-s", "sps",
+             "--temp", "0", "--json", "-t", "1", "-n", "3000", "-c", "4096", "--rpc", server.endpoint],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        tokens = 0
+        while tokens < 3:
+            line = proc.stdout.readline()
+            assert line, f"the run ended before its first tokens: {proc.stderr.read()}"
+            tokens += '"type": "token"' in line
+        server.stop()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        server.stop()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specchat: error: lost the RPC server"), err
+    assert server.endpoint in lines[0]
+
+
+@needs_rpc
+def test_an_unreachable_server_at_load_is_one_line_and_exit_1(tiny) -> None:
+    started = time.monotonic()
+    r = _run(tiny, "sps", "--rpc", f"127.0.0.1:{_free_port()}", timeout=60)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the RPC server 127.0.0.1:" in lines[0], r.stderr
+    assert not r.stdout
+    assert time.monotonic() - started < 30
+
+
+@needs_rpc
+def test_a_server_of_another_protocol_version_is_one_line_and_exit_1(tiny) -> None:
+    """A stand-in server that answers HELLO as protocol v3.0.0 would (llama.cpp's RPC of a year before)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(struct.pack("<Q", 28) + bytes([3, 0, 0, 0]) + bytes(24))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        r = _run(tiny, "ar", "--rpc", f"127.0.0.1:{port}", timeout=60)
+    finally:
+        listener.close()
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "v7.0" in lines[0] and "v3.0.0" in lines[0], r.stderr
+
+
+def test_a_build_without_rpc_names_the_rebuild_command(monkeypatch) -> None:
+    from backends import llama
+    from models.errors import ModelError
+
+    api = llama._Ggml()
+    monkeypatch.setattr(api, "reg_by_name", lambda name: None)
+    with pytest.raises(ModelError) as e:
+        api.rpc()
+    message = str(e.value)
+    assert "\n" not in message
+    assert 'CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==' \
+        in message
+
+
+@needs_rpc
+def test_listening_beyond_127_0_0_1_prints_upstreams_warning(tmp_path) -> None:
+    server = RpcServer(tmp_path / "server.log", "127.0.0.2")
+    try:
+        text = server.text()
+    finally:
+        server.stop()
+    assert "WARNING: Host ('127.0.0.2') is != '127.0.0.1'" in text
+    assert "Never expose the RPC server to an open network!" in text
+
+
+@needs_rpc
+def test_a_taken_port_is_one_line_and_exit_1(rpc_server) -> None:
+    r = subprocess.run([sys.executable, "-m", "app", "rpc-server", "--port", str(rpc_server.port), "-t", "1"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{rpc_server.port}" in lines[0], r.stderr
