@@ -135,7 +135,7 @@ class AutoConfig:
     draft: bool = True  # the draft-model chain (when a draft model is loaded)
     lookup: bool = True  # prompt lookup
     lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
-    explore_budget: float = 0.02  # most of the time spent trying options the estimates call worse
+    explore_budget: float = 0.01  # most of the time spent trying options the estimates call worse
     draft_max: int = 12  # longest draft chain or lookup proposal one step verifies
 
     def __post_init__(self) -> None:

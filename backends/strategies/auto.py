@@ -71,7 +71,10 @@ CONFIDENCE_BINS = 10
 MAX_POSITION = 12
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
 # bounds it when an estimate is wrong (an option tried once per 64 steps costs at most ~1/64 of its step).
-MIN_EXPLORE_INTERVAL = 64
+MIN_EXPLORE_INTERVAL = 128
+# Lookup positions past this share one estimate: the first proposals decide whether a lookup starts.
+LOOKUP_POSITIONS = 3
+WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 
 
 class Acceptance:
@@ -127,8 +130,8 @@ class AutoState:
     draft_by_conf: Acceptance = field(default_factory=lambda: Acceptance(
         lambda b: (b + 0.5) / CONFIDENCE_BINS))  # type: ignore[operator]
     draft_by_pos: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.5))
-    # Lookup: by (match length, position).
-    lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.3))
+    # Lookup: by (match length, position); a low prior, as most text does not repeat itself.
+    lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.15))
     # What a lookahead step and a draft step (drafting with its stopping rule, then verifying) really
     # yield, and cost in plain steps: measured against the plain step's time of the moment, so that a
     # busy machine, which slows every kind of step alike, does not tilt the comparison.
@@ -232,6 +235,7 @@ class _Generation:
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
+        self._why_text, self._why_option, self._why_step = "", "", 0
 
     # -- prefill -------------------------------------------------------------
 
@@ -287,7 +291,7 @@ class _Generation:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
-            accept = [st.lookup.p((min(match, 4), min(i, MAX_POSITION))) for i in range(len(lookup[:room]))]
+            accept = [st.lookup.p((min(match, 4), min(i, LOOKUP_POSITIONS))) for i in range(len(lookup[:room]))]
             k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row)
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(LOOKUP, accept[0], t_plain, row))
@@ -314,7 +318,10 @@ class _Generation:
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options)):
                 return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
                               f"{o.option} — trying it (its estimate is stale)", True)
-        return Choice(best.option, best.length, best.tokens, best.seconds, self._why(best, options, t_plain))
+        if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
+            self._why_text = self._why(best, options, t_plain)
+            self._why_option, self._why_step = best.option, run.forwards
+        return Choice(best.option, best.length, best.tokens, best.seconds, self._why_text)
 
     def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
         """The shortest chain, for the record (what it would give) when no length pays."""
@@ -426,7 +433,7 @@ class _Generation:
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted
             if source == LOOKUP:
-                st.lookup.update((keys[i][0], min(keys[i][1], MAX_POSITION)), accepted)  # type: ignore[index]
+                st.lookup.update((keys[i][0], min(keys[i][1], LOOKUP_POSITIONS)), accepted)  # type: ignore[index]
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
