@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build (once) and run the bundled Gemma 3 270M demo pair")
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt (default: {DEMO_PROMPT!r})")
     _add_strategy_flag(demo)
-    _add_generation_flags(demo)
+    # Greedy: the demo completes a base model's text to show speculation at work, and the draft is
+    # accepted most under greedy decoding (at 0.8 `auto` rightly keeps to plain steps on this pair).
+    _add_generation_flags(demo, temp=0.0)
 
     bench = sub.add_parser("bench", help="strategies side by side on this device: table, JSON and plot")
     bench.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")

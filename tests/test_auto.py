@@ -20,7 +20,8 @@ from backends.config import AutoConfig, LookaheadConfig, LookupConfig, StrategyO
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.strategies.auto import Acceptance, AutoState, best_chain_length, confidence_bin
+from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, best_chain_length,
+                                      confidence_bin, explore_interval)
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -156,6 +157,38 @@ def test_auto_speculates_on_a_cheap_device_and_not_on_a_dear_one(tiny) -> None:
     finally:
         cheap.close()
         dear.close()
+
+
+def test_exploration_comes_early_for_a_new_option_then_within_its_budget() -> None:
+    waits = [explore_interval(0.01, 0.2, 1, taken) for taken in range(6)]
+    assert waits[0] == 8 and waits == sorted(waits), waits  # the first try soon, then ever rarer
+    assert waits[-1] == MIN_EXPLORE_INTERVAL, "a known option: the steady floor"
+    # An option a try of which loses 5 plain steps: 1% of the time means one try per 500 steps at least.
+    assert explore_interval(0.01, 5.0, 1, 10) == 500
+    assert explore_interval(0.01, 5.0, 1, 0) >= 5.0 / (0.01 * 16), "early tries stay within 16x the budget"
+    assert explore_interval(0.0, 0.2, 1, 0) > 10**6, "no budget: never"
+
+
+def test_auto_finds_a_draft_its_prior_calls_too_slow(tiny) -> None:
+    """A draft costing 0.6 of a step on a curve rising 10% a row: at the prior acceptance (0.5) a draft step
+    would lose, so without exploring auto stays plain; the identical draft really accepts everything, and the
+    early tries find that out within the first tokens, after which auto drafts."""
+    cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.6)
+    engine = _engine(tiny, tiny.same_draft, cost)
+    blind = _engine(tiny, tiny.same_draft, cost)
+    try:
+        prompt = engine.tokenize(TINY_PROMPTS[1])
+        ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=64))
+        stays = run_to_done(blind, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
+        assert stays.tokens == ref.tokens and set(stays.stats.steps_by_choice) <= {"plain", "lookup"}
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=64))
+        assert done.tokens == ref.tokens
+        steps = done.stats.steps_by_choice
+        assert steps.get("draft", 0) >= 3 * done.stats.extra["explored_steps"], steps  # chosen, not only tried
+        assert done.stats.tokens_by_source.get("draft", 0) >= 16, done.stats.tokens_by_source
+    finally:
+        engine.close()
+        blind.close()
 
 
 def test_auto_without_a_draft_uses_lookup_on_copying_text(tiny) -> None:

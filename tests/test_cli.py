@@ -120,6 +120,10 @@ def test_demo_command_runs_the_bundled_pair(demo_pair) -> None:
     r = subprocess.run([sys.executable, "-m", "app", "demo", "-n", "24"], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, r.stderr
+    assert "strategy auto" in r.stderr and "steps by choice" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "app", "demo", "-n", "24", "-s", "sps"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
     assert "\x1b[32m" in r.stdout and "strategy sps" in r.stderr and "accepted" in r.stderr
 
 

@@ -13,7 +13,7 @@ from textual.widgets import Markdown, Static
 
 from app.cli import main
 from app.render import TRUECOLOR
-from app.settings import load_settings
+from app.settings import Settings, load_settings
 from app.tui.transcript import AnswerView, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
 from backends.events import ACCEPTED, REJECTED, TARGET, Token
@@ -333,5 +333,29 @@ def test_transcript_follows_a_growing_markdown_answer_unless_scrolled_up() -> No
             await wait_for(pilot, lambda: answer.markdown.source == answer.output_text, "the last append")
             await pilot.pause(0.2)
             assert transcript.scroll_y == 0 < transcript.max_scroll_y
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.demo
+def test_first_start_offers_the_chat_pair_and_it_answers(instruct_pair, tmp_path) -> None:
+    """No model configured: the welcome screen's first button loads the SmolLM2 pair, whose template is applied."""
+    from app.tui.welcome_screen import WelcomeScreen
+
+    async def scenario() -> None:
+        app = app_for(Settings(), tmp_path)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen), "the welcome screen")
+            buttons = [b.id for b in app.screen.query("Button")]
+            assert buttons[0] == "chat", buttons
+            await pilot.click("#chat")
+            await wait_for(pilot, lambda: app.chat.settings.target == "smollm2", "the chat pair chosen")
+            assert app.chat.settings.draft == "smollm2-draft"
+            await wait_loaded(pilot)
+            assert app.chat.session is not None and not app.chat.session.plain, "the chat template is used"
+            app.chat.settings = replace(app.chat.settings, params=GenParams(max_tokens=32))
+            await send(pilot, "What is the capital of France?")
+            done = app.chat.last_done
+            assert done.reason in ("eos", "length") and "Paris" in done.text
 
     asyncio.run(scenario())

@@ -35,7 +35,11 @@ token is expected to pay for its draft decode as well.
 
 Exploration: an option the estimates call worse is still tried now and then,
 each at most once per `interval` steps, the interval chosen so that trying
-all of them costs at most `explore_budget` (2%) of the time.
+all of them costs at most `explore_budget` (1%) of the time. An option barely
+tried yet is judged by its prior alone, so its first tries come sooner (after
+8, 16, 32, 64 steps, on a budget halving from 16x), once per engine: a draft
+that pays is found within the first tokens, one that does not costs a few
+steps (explore_interval).
 
 Lossless: each step is one of the lossless steps of the fixed strategies
 (greedy or Leviathan's rejection sampling for draft chains, SpecInfer's
@@ -70,8 +74,15 @@ PLAIN, DRAFT, LOOKUP, LOOKAHEAD = "plain", "draft", "lookup", "lookahead"
 CONFIDENCE_BINS = 10
 MAX_POSITION = 12
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
-# bounds it when an estimate is wrong (an option tried once per 64 steps costs at most ~1/64 of its step).
+# bounds it when an estimate is wrong (an option tried once per 128 steps costs at most ~1/128 of its step).
 MIN_EXPLORE_INTERVAL = 128
+# An option tried fewer than EARLY_TRIES times is still judged by its prior, so it is tried sooner: the
+# first try after EARLY_INTERVAL steps with EARLY_BUDGET_FACTOR times the budget, each later try waiting
+# twice as long on half the budget, until the steady schedule. Once per engine (the state is kept across
+# turns), this costs a few steps in all: a draft that pays at greedy is found within the first ~10 tokens.
+EARLY_TRIES = 4
+EARLY_INTERVAL = 8
+EARLY_BUDGET_FACTOR = 16
 # Lookup positions past this share one estimate: the first proposals decide whether a lookup starts.
 LOOKUP_POSITIONS = 3
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
@@ -147,6 +158,7 @@ class AutoState:
     tokens: Ewma = field(default_factory=lambda: Ewma(0.02))
     seconds: Ewma = field(default_factory=lambda: Ewma(0.02))
     since: dict[str, int] = field(default_factory=dict)  # steps since each option was last taken
+    taken: dict[str, int] = field(default_factory=dict)  # steps each option was taken, ever
     # False: keep the times the device cost gave and learn only acceptance (tests pin a synthetic device so).
     learn_timing: bool = True
 
@@ -189,6 +201,22 @@ def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curv
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (i, expected, seconds)
     return best
+
+
+def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int) -> int:
+    """Steps to wait before trying an option the estimates call worse by `extra_steps` plain steps a try.
+
+    Steady: the try costs at most `budget` / n_options of the time, and at least
+    MIN_EXPLORE_INTERVAL steps pass. While the option has been taken fewer
+    than EARLY_TRIES times its estimate is mostly prior, so the wait starts at
+    EARLY_INTERVAL steps with EARLY_BUDGET_FACTOR x the budget, doubling per try.
+    """
+    if budget <= 0:
+        return 1 << 30
+    early = max(EARLY_TRIES - taken, 0)
+    share = budget * min(EARLY_BUDGET_FACTOR, 2 ** early) / max(n_options, 1)
+    floor = MIN_EXPLORE_INTERVAL if not early else min(MIN_EXPLORE_INTERVAL, EARLY_INTERVAL << taken)
+    return max(floor, math.ceil(max(extra_steps, 0.0) / share))
 
 
 class AutoDecoding:
@@ -275,12 +303,9 @@ class _Generation:
             return max(plain, st.tokens.value / st.seconds.value)
         return plain
 
-    def _interval(self, extra_seconds: float, t_plain: float, n_options: int) -> int:
-        """Steps between explorations of an option costing `extra_seconds` over a plain step."""
-        budget = self.cfg.explore_budget / max(n_options, 1)
-        if budget <= 0:
-            return 1 << 30
-        return max(MIN_EXPLORE_INTERVAL, math.ceil(max(extra_seconds, 0.0) / (t_plain * budget)))
+    def _interval(self, extra_seconds: float, t_plain: float, n_options: int, taken: int) -> int:
+        """Steps between explorations of an option costing `extra_seconds` over a plain step, taken `taken` times."""
+        return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options, taken)
 
     def decide(self, lookup: list[int], match: int) -> Choice:
         st, run = self.state, self.run
@@ -315,7 +340,7 @@ class _Generation:
             if o.option == best.option:
                 continue
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
-            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options)):
+            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), st.taken.get(o.option, 0)):
                 return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
                               f"{o.option} — trying it (its estimate is stale)", True)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
@@ -401,6 +426,7 @@ class _Generation:
         self.explored += choice.explore
         for option in (DRAFT, LOOKUP, LOOKAHEAD):
             st.since[option] = 0 if option == choice.option else st.since.get(option, 0) + 1
+        st.taken[choice.option] = st.taken.get(choice.option, 0) + 1
         before = len(run.output)
         if choice.option == LOOKAHEAD and self.window is not None:
             yield from self._lookahead_step(choice)
