@@ -30,8 +30,9 @@ switch-off at low acceptance is its special case. The inputs:
     the residual of every step against that prediction.
 For the draft chain the same rule runs per token: after drafting token i with
 confidence c, it is verified if its expected gain P(all before accepted) *
-a(c) exceeds R times the extra batch row, and drafting goes on while the next
-token is expected to pay for its draft decode as well.
+a(c) exceeds R times the extra batch row, and drafting goes on while the
+tokens after it are expected to pay for their draft decodes as well (looking
+several tokens ahead, not only at the next one).
 
 Exploration: an option the estimates call worse is still tried now and then,
 each at most once per `interval` steps, the interval chosen so that trying
@@ -402,9 +403,9 @@ class _Generation:
             reach *= a
             tokens.append(tok)
             confs.append(conf)
-            # Draft the next token only if it is expected to pay for its own draft decode too.
-            next_gain = reach * a - rate * (t_draft + t_plain * (self.relative(i + 3) - self.relative(i + 2)) + row)
-            if i + 1 >= k_max or (next_gain <= 0 and i + 1 >= force):
+            # Draft on only if the tokens after this one are expected to pay for their draft decodes too.
+            if i + 1 >= k_max or (i + 1 >= force and self._continue_gain(reach, a, i + 1, k_max, rate, t_plain,
+                                                                         t_draft, row) <= 0):
                 break
             draft.extend([tok])
             decodes += 1
@@ -412,6 +413,22 @@ class _Generation:
         if tokens or decodes:
             st.time(st.t_draft, (time.perf_counter() - t0) / decodes)
         return tokens, dists, confs
+
+    def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
+                       t_draft: float, row: float) -> float:
+        """What drafting more after n tokens is worth at best: over m = 1.. more tokens, each accepted with
+        chance `a` (the last one's: a draft's confidence runs in streaks), the expected tokens minus rate
+        times their draft decode and batch row; the best m's sum. Looking past the next token matters: with
+        a draft accepted 90% of the time, the next token alone may not pay for its decode while the next
+        three do."""
+        best = total = 0.0
+        for m in range(n, k_max):
+            reach *= a
+            total += reach - rate * (t_draft + t_plain * (self.relative(m + 2) - self.relative(m + 1)) + row)
+            best = max(best, total)
+            if reach < 0.05:
+                break
+        return best
 
     # -- one step ------------------------------------------------------------
 
