@@ -22,6 +22,43 @@ def settings_from_flags(saved: Settings, args: argparse.Namespace) -> Settings:
     return out
 
 
+# What Textual's Linux driver writes when it leaves application mode: bracketed paste, mouse reporting,
+# the Kitty keyboard protocol, focus events off; line wrap on; the main screen and the cursor back.
+_LEAVE_APP_MODE = ("\x1b[?2004l\x1b[?1000l\x1b[?1003l\x1b[?1015l\x1b[?1006l\x1b[?7h\x1b[<u"
+                   "\x1b[?1049l\x1b[?25h\x1b[?1004l")
+
+
+def _restore_terminal_on_fatal_exit() -> None:
+    """If llama.cpp aborts mid-run (a lost RPC server), put the terminal back before the process leaves.
+
+    Nothing of Textual's own shutdown runs then: the abort happens on the
+    decoding thread and ends the process at once, so the terminal would stay
+    in raw mode on the alternate screen.
+    """
+    import os
+    import sys
+
+    from backends.llama import on_fatal_exit
+
+    fd = next((f.fileno() for f in (sys.__stderr__, sys.__stdout__, sys.__stdin__)
+               if f is not None and f.isatty()), None)
+    if fd is None:
+        return
+    try:
+        import termios
+
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError):
+        saved = None
+
+    def restore() -> None:
+        os.write(fd, _LEAVE_APP_MODE.encode())
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+    on_fatal_exit(restore)
+
+
 def chat(args: argparse.Namespace) -> int:
     from app.tui import make_app  # Textual loads only for the chat app
 
@@ -30,5 +67,6 @@ def chat(args: argparse.Namespace) -> int:
         settings = settings_from_flags(saved, args) if args.command == "chat" else saved
     except ValueError as e:
         raise UserError(str(e)) from None
+    _restore_terminal_on_fatal_exit()
     make_app(settings, warning=warning).run()
     return 0

@@ -41,7 +41,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -603,6 +603,16 @@ def _local_offload_devices(api: _Ggml) -> list[int]:
 
 _rpc_endpoints_in_use: list[str] = []
 _abort_lock = threading.Lock()
+_before_fatal_exit: list[Callable[[], None]] = []
+
+
+def on_fatal_exit(hook: Callable[[], None]) -> None:
+    """Run `hook` when ggml aborts and the process is about to leave at once (e.g. to put a terminal back).
+
+    A lost RPC server aborts inside ggml, on whatever thread was decoding; no
+    Python cleanup (finally blocks, atexit) runs after that, only these hooks.
+    """
+    _before_fatal_exit.append(hook)
 
 
 @_ABORT_CALLBACK
@@ -618,6 +628,11 @@ def _on_ggml_abort(message: bytes | None) -> None:
         line = f"lost the RPC server {servers} ({detail})"
     else:
         line = f"llama.cpp stopped: {detail}"
+    for hook in _before_fatal_exit:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the process is ending either way
+            pass
     try:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - the process is ending either way

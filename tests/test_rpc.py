@@ -136,6 +136,63 @@ def test_killing_the_server_mid_generation_is_one_line_and_exit_2(tiny, tmp_path
 
 
 @needs_rpc
+def test_a_lost_server_ends_the_chat_app_with_the_terminal_restored(tiny, tmp_path) -> None:
+    """The chat app on a real pseudo-terminal: the server dies mid-answer. ggml aborts on the decoding thread,
+    so Textual's own shutdown never runs; the app must still leave raw mode and the alternate screen, say why
+    in one line, and exit 2."""
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    server = RpcServer(tmp_path / "server.log")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    before = termios.tcgetattr(slave)
+    env = dict(os.environ, TERM="xterm-256color", SPECCHAT_CONFIG_DIR=str(tmp_path / "config"),
+               SPECCHAT_DATA_DIR=str(tmp_path / "data"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "chat", "-m", str(tiny.target), "-s", "ar", "-t", "1", "-c", "4096",
+         "-n", "4000", "--rpc", server.endpoint], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
+        start_new_session=True)
+    out = bytearray()
+
+    def pump(done, seconds: float) -> None:
+        """Read what the app draws until done() or the time is up."""
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    out.extend(os.read(master, 65536))
+                except OSError:  # the child closed the terminal
+                    return
+
+    try:
+        pump(lambda: b"loaded" in out, 120)
+        assert b"loaded" in out, bytes(out[-2000:])
+        computed = server.computes()
+        os.write(master, b"tell me a long story\r")
+        pump(lambda: server.computes() > computed + 20, 60)
+        assert server.computes() > computed + 20, "the answer did not start"
+        server.stop()
+        pump(lambda: proc.poll() is not None, 60)
+        proc.wait(timeout=10)
+        pump(lambda: False, 0.5)
+        after = termios.tcgetattr(slave)
+    finally:
+        server.stop()
+        if proc.poll() is None:
+            proc.kill()
+        os.close(slave)
+        os.close(master)
+    text = bytes(out)
+    assert proc.returncode == 2, text[-2000:]
+    assert b"specchat: error: lost the RPC server" in text
+    assert text.rfind(b"\x1b[?1049l") > text.rfind(b"\x1b[?1049h") >= 0, "left on the alternate screen"
+    assert after[3] == before[3], "the terminal's local modes (echo, canonical input) were not put back"
+
+
+@needs_rpc
 def test_an_unreachable_server_at_load_is_one_line_and_exit_1(tiny) -> None:
     started = time.monotonic()
     r = _run(tiny, "sps", "--rpc", f"127.0.0.1:{_free_port()}", timeout=60)

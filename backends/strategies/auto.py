@@ -118,13 +118,25 @@ class Acceptance:
 
 @dataclass
 class Ewma:
-    """Exponentially weighted mean; `value` is None until the first observation unless seeded."""
+    """Exponentially weighted mean; `value` is None until the first observation unless seeded.
+
+    The n-th observation weighs max(alpha, 1/n): the plain mean while there are
+    few, so that one lucky or unlucky first step does not steer for the next
+    1/alpha steps, then the exponential forgetting that follows the text.
+    """
 
     alpha: float
     value: float | None = None
+    n: int = 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.n += 1
+        weight = max(self.alpha, 1.0 / self.n)
+        self.value = x if self.value is None else self.value + weight * (x - self.value)
+
+    def seed(self, x: float) -> None:
+        """Start from a prediction worth one observation."""
+        self.value, self.n = x, 1
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
@@ -278,9 +290,9 @@ class _Generation:
             self.t1 = cost.batch.seconds[0]
             st = self.state
             if st.t_plain.value is None:
-                st.t_plain.value = self.t1
+                st.t_plain.seed(self.t1)
             if st.t_draft.value is None and self.draft is not None:
-                st.t_draft.value = cost.draft * self.t1
+                st.t_draft.seed(cost.draft * self.t1)
         return cached
 
     # -- the cost model ------------------------------------------------------
