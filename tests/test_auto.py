@@ -21,7 +21,7 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
 from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, best_chain_length,
-                                      confidence_bin, explore_interval)
+                                      confidence_bin, explore_interval, lookup_acceptance)
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -79,6 +79,21 @@ def test_acceptance_estimates_follow_the_evidence() -> None:
         a.update("x", False)
     assert a.p("x") < 0.1, "old evidence decays"
     assert confidence_bin(0.0) == 0 and confidence_bin(0.55) == 5 and confidence_bin(1.0) == 9
+
+
+def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> None:
+    """Copies accepted at the first two positions make the third and later worth verifying, so chains grow
+    as far as the text repeats; a match length never seen keeps the low prior."""
+    a = lookup_acceptance(first=0.15)
+    assert a.p((3, 0)) == a.p((3, 2)) == 0.15
+    for _ in range(30):
+        a.update((3, 0), True)
+        a.update((3, 1), True)
+    assert a.p((3, 2)) > 0.85 and a.p((3, 3)) > 0.85, "unseen positions follow the ones before them"
+    assert a.p((1, 0)) == 0.15 and a.p((1, 3)) == 0.15
+    for _ in range(30):
+        a.update((3, 2), False)
+    assert a.p((3, 2)) < 0.2 and a.p((3, 3)) < 0.2, "evidence at a position overrides the borrowed prior"
 
 
 # -- the cost cache ---------------------------------------------------------------------------------------------------

@@ -86,6 +86,9 @@ EARLY_INTERVAL = 8
 EARLY_BUDGET_FACTOR = 16
 # Lookup positions past this share one estimate: the first proposals decide whether a lookup starts.
 LOOKUP_POSITIONS = 3
+# Tokens the draft lags behind the context at the start of a draft step that follows one: the last
+# drafted token (never decoded on the draft) and the target's bonus or correction token.
+CHAIN_LAG = 2
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 
 
@@ -146,6 +149,19 @@ def confidence_bin(c: float) -> int:
     return min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
 
+def lookup_acceptance(first: float = 0.15) -> Acceptance:
+    """Lookup's acceptance by (match length, position).
+
+    The first position's prior is low, as most text does not repeat itself. A
+    later position borrows the estimate of the one before it as its prior: a
+    copy accepted so far tends to go on (repetition runs in streaks), and with
+    a fixed low prior the positions past the first tries would never be
+    verified, so never learnt, and chains would stay as short as first tried.
+    """
+    acc = Acceptance(lambda k: first if k[1] == 0 else acc.p((k[0], k[1] - 1)))  # type: ignore[index]
+    return acc
+
+
 @dataclass
 class AutoState:
     """What `auto` has learnt on one engine: kept across turns (Engine.auto_state)."""
@@ -154,8 +170,8 @@ class AutoState:
     draft_by_conf: Acceptance = field(default_factory=lambda: Acceptance(
         lambda b: (b + 0.5) / CONFIDENCE_BINS))  # type: ignore[operator]
     draft_by_pos: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.5))
-    # Lookup: by (match length, position); a low prior, as most text does not repeat itself.
-    lookup: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.15))
+    # Lookup: by (match length, position).
+    lookup: Acceptance = field(default_factory=lambda: lookup_acceptance())
     # What a lookahead step and a draft step (drafting with its stopping rule, then verifying) really
     # yield, and cost in plain steps: measured against the plain step's time of the moment, so that a
     # busy machine, which slows every kind of step alike, does not tilt the comparison.
@@ -276,6 +292,7 @@ class _Generation:
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
+        self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
         self._why_text, self._why_option, self._why_step = "", "", 0
 
     # -- prefill -------------------------------------------------------------
@@ -393,7 +410,15 @@ class _Generation:
         dists: list[np.ndarray] = []
         confs: list[float] = []
         t0 = time.perf_counter()
-        draft.sync(self.run.context)
+        lag = len(self.run.context) - draft.sync(self.run.context)
+        if lag > CHAIN_LAG:
+            # The draft catches up on tokens decoded while it stood by (plain or lookup steps). That is a
+            # switching cost spread over those steps, not the cost of drafting: left out of what a draft
+            # step is measured to cost (one draft decode stands for it), or a draft tried after a long
+            # plain stretch would look dear and never be taken again.
+            self.catch_up = max(time.perf_counter() - t0 - t_draft, 0.0)
+        else:
+            self.catch_up = 0.0
         decodes = 1
         reach = 1.0
         for i in range(k_max):
@@ -422,8 +447,7 @@ class _Generation:
             draft.extend([tok])
             decodes += 1
         self.draft_decodes += decodes
-        if tokens or decodes:
-            st.time(st.t_draft, (time.perf_counter() - t0) / decodes)
+        st.time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
         return tokens, dists, confs
 
     def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
@@ -502,7 +526,7 @@ class _Generation:
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
-        st.time(st.draft_step_cost, (time.perf_counter() - t0) / st.t_plain.get(self.t1 or 1.0))
+        st.time(st.draft_step_cost, (time.perf_counter() - t0 - self.catch_up) / st.t_plain.get(self.t1 or 1.0))
 
     def _lookahead_step(self, choice: Choice) -> Iterator[Event]:
         st, run = self.state, self.run
