@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from app.errors import UserError
 from app.prompt_sets import BenchPrompt
 from backends.cost import BatchCost, best_chain_speedup, predicted_speedup
 from backends.config import StrategyOptions
@@ -163,7 +164,9 @@ def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[Batch
     if engine.draft is not None:
         engine.draft.sync(context, logits=False)
     measured = engine.device_cost(k_max, repeats=3, remeasure=True)
-    assert measured is not None, "the prompt leaves no room for a batch"
+    if measured is None:
+        raise UserError(f"no room to measure the batch cost: --cost-k-max must be at least 2 and the first prompt "
+                        f"({len(context)} tokens) must leave 2 free cells in the context ({engine.target.n_ctx})")
     engine.target.reset()
     if engine.draft is not None:
         engine.draft.reset()

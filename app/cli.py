@@ -24,7 +24,7 @@ from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
-from backends.config import AUTO, SHAPES, LookaheadConfig, LookupConfig, SpsConfig, TreeConfig
+from backends.config import AUTO, SHAPES, AutoConfig, LookaheadConfig, LookupConfig, SpsConfig, TreeConfig
 from backends.registry import DEFAULT_STRATEGY, NEEDS_DRAFT, REGISTRY, n_seq_needed
 from backends.events import Done
 
@@ -48,7 +48,7 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     s = p.add_argument_group("speculation")
     s.add_argument("--draft-max", type=int, default=None,
                    help=f"K: most tokens proposed per step (default: {SpsConfig.draft_max} for sps, "
-                        f"{LookupConfig.draft_max} for lookup)")
+                        f"{LookupConfig.draft_max} for lookup, {AutoConfig.draft_max} for auto)")
     s.add_argument("--draft-p-min", type=float, default=SpsConfig.p_min,
                    help="sps and the static tree: stop drafting (a branch) when the draft's top probability is below "
                         f"this (default: {SpsConfig.p_min})")
@@ -101,9 +101,9 @@ def _rpc_servers(value: str) -> tuple[str, ...]:
     """--rpc: comma-separated HOST:PORT endpoints, as llama.cpp spells them."""
     servers = tuple(v.strip() for v in value.split(",") if v.strip())
     for server in servers:
-        host, sep, port = server.rpartition(":")
+        host, sep, port = server.partition(":")  # llama.cpp's rule: the first colon (IPv4 or a host name)
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {server!r}")
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT (an IPv4 address or a host name), got {server!r}")
     if not servers:
         raise argparse.ArgumentTypeError("expected at least one HOST:PORT")
     return servers

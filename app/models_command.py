@@ -1,4 +1,4 @@
-"""`specchat models ...`: list, pull, pairs, info, check, derive (SPEC section 8; issue 5).
+"""`specchat models ...`: list, pull, pairs, info, check, derive.
 
 Results go to stdout, download progress to stderr. User errors raise
 ModelError (one line, exit 1 in app.cli); `check` and `derive` print their

@@ -27,10 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from app.errors import EXIT_OK, EXIT_RUNTIME, UserError
+from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50052  # backends.llama.RPC_DEFAULT_PORT, without loading llama.cpp to print --help
+DEFAULT_PORT = 50052  # llama.cpp tools/rpc/rpc-server.cpp's
 
 # tools/rpc/rpc-server.cpp's warning, word for word.
 WARNING_LINES = (
@@ -151,19 +151,17 @@ def run_rpc_server(args: argparse.Namespace) -> int:
         while not _listening(host, args.port):
             if failed.wait(0.05):
                 sys.stdout.flush()
-                print(f"specchat: error: the RPC server could not start on {host}:{args.port} (see above)",
-                      file=sys.stderr, flush=True)
+                print_error(f"the RPC server could not start on {host}:{args.port} (see above)")
                 return EXIT_RUNTIME
             if time.monotonic() > deadline:
-                print(f"specchat: error: the RPC server did not start listening on {host}:{args.port}",
-                      file=sys.stderr, flush=True)
+                print_error(f"the RPC server did not start listening on {host}:{args.port}")
                 return EXIT_RUNTIME
         print(f"specchat rpc-server: serving {', '.join(map(str, devices))} on {host}:{args.port} "
               f"({threads} thread{'s' if threads != 1 else ''}{', cache ' + cache_dir if cache_dir else ''}); "
               "Ctrl-C stops it", file=sys.stderr, flush=True)
         while not failed.wait(0.5):
             pass
-        print(f"specchat: error: the RPC server on {host}:{args.port} stopped (see above)", file=sys.stderr, flush=True)
+        print_error(f"the RPC server on {host}:{args.port} stopped (see above)")
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         print("\nspecchat rpc-server: stopped", file=sys.stderr, flush=True)

@@ -153,7 +153,7 @@ def _max_tokens(body: Mapping[str, Any], default: int, n_ctx: int) -> int:
     given = {k: v for k, v in given.items() if v is not None and not (k == "n_predict" and v == -1)}
     if len(set(given.values())) > 1:
         raise _bad(f"{' and '.join(given)} disagree; send one of them", next(iter(given)))
-    name, value = next(iter(given.items()), ("max_tokens", default))
+    name, value = next(iter(given.items()), ("max_tokens", min(default, n_ctx)))  # serve -n over -c: the context
     if value < 1:
         raise _bad(f"'{name}' must be at least 1", name)
     if value > n_ctx:
@@ -347,7 +347,7 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = _ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        role = _ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
         if role is None:
             raise _bad(f"messages[{i}].role {m.get('role')!r} is not supported (system, developer, user, assistant)",
                        f"messages[{i}].role")
@@ -523,8 +523,13 @@ class EngineWorker:
                     job.post(event)
                 elif isinstance(event, Done):
                     self.cancelled += event.reason == "cancelled"
-                    job.post(event)
                     _log_done(job, event, time.perf_counter() - t0)
+                    if not started:  # failed or cancelled before the prompt was in: nothing was streamed
+                        if event.reason == "error":
+                            self._reset_caches()
+                        job.post(Failed(_done_error(event)))
+                    else:
+                        job.post(event)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the server
             if is_user_error(e):
                 log.info("%s: refused: %s", job.id, describe(e))
@@ -717,7 +722,7 @@ class Server:
         self.worker = worker
         self.n_ctx = worker.engine.target.n_ctx
         self.has_draft = worker.engine.draft is not None
-        self.n_seq_max = worker.engine.config.n_seq_max
+        self.n_seq_max = worker.engine.target.n_seq_max  # what the context really has (the engine clamps it)
         self.started = int(time.time())
 
     # -- checks ------------------------------------------------------------

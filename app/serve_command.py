@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable
 
-from app.errors import EXIT_OK, EXIT_RUNTIME, UserError
+from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error
 from app.settings import Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -81,8 +81,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
               + ("" if api_key else "; without --api-key anyone who reaches it can use it"),
               file=sys.stderr, flush=True)
     _configure_logging()
-    # llama.cpp wants n_seq_max <= n_batch (it reserves an output row per sequence).
-    engine = open_engine(settings, min(N_SEQ_MAX, settings.n_batch), _progress, with_draft=True)
+    engine = open_engine(settings, N_SEQ_MAX, _progress, with_draft=True)  # the engine fits it to the batch
     try:
         worker = EngineWorker(engine)
         worker.start()
@@ -100,7 +99,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once it has shut down
                 pass
             except SystemExit:  # uvicorn could not start (it logged why: the port is taken, ...)
-                print(f"specchat: error: cannot serve on {args.host}:{args.port}", file=sys.stderr)
+                print_error(f"cannot serve on {args.host}:{args.port}")
                 return EXIT_RUNTIME
         finally:
             worker.stop()

@@ -1,4 +1,4 @@
-"""A chat conversation over one loaded `Engine` (SPEC section 7).
+"""A chat conversation over one loaded `Engine`.
 
 Every turn hands the strategy the whole conversation as its prompt; the
 target's `KvSequence` keeps the longest common prefix of what it already holds

@@ -106,7 +106,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "min_p": ("params.min_p",),
     "seed": ("params.seed",),
     "stop": ("params.stop",),
-    "draft_max": ("options.sps.draft_max", "options.lookup.draft_max"),
+    "draft_max": ("options.sps.draft_max", "options.lookup.draft_max", "options.auto.draft_max"),
     "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
     "lookahead_window": ("options.lookahead.window",),
     "lookahead_ngram": ("options.lookahead.ngram",),
@@ -162,6 +162,10 @@ def _from_dict(cls: type[T], data: Any) -> T:
         if is_dataclass(current):
             value = _from_dict(type(current), value)
         elif isinstance(current, tuple):
+            if isinstance(value, str):  # one endpoint or stop string written bare, not a list of characters
+                value = (value,)
+            elif not isinstance(value, list):
+                raise ValueError(f"{f.name}: expected a list, got {value!r}")
             value = tuple(value)
         elif current is not None and value is not None and not isinstance(value, type(current)):
             # An int may stand for a float; a word for a number field that also takes one (tree nodes 'auto').

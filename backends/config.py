@@ -2,8 +2,7 @@
 
 Kept apart from the strategies themselves so that the command line, the chat
 app's settings and the server can build and check them without loading
-llama.cpp (`specchat --help` stays instant). Each strategy module re-exports
-its own config.
+llama.cpp (`specchat --help` stays instant).
 """
 
 from __future__ import annotations
@@ -128,8 +127,10 @@ class TreeConfig:
 class AutoConfig:
     """`auto`: which proposers it may use, and how much exploring may cost.
 
-    Each proposer's own settings (K, n-gram sizes, W/N/G) come from its
-    strategy's config; these switch proposers off or bound the choice.
+    Lookup's n-gram sizes and lookahead's W/N/G come from those strategies'
+    configs. The draft chain's and lookup's lengths are chosen every step, up
+    to `draft_max` (sps's K and p_min do not apply: the chain stops where the
+    next token no longer pays).
     """
 
     draft: bool = True  # the draft-model chain (when a draft model is loaded)

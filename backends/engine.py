@@ -62,15 +62,21 @@ class Engine:
         if config.draft is not None:
             require_compatible(self.target_info, validate_gguf(config.draft))
         ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
-        self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
         # llama.cpp aborts when a context has more sequences than batch rows (n_outputs_max): never ask it to.
         ctx_config = replace(ctx_config, n_seq_max=max(1, min(config.n_seq_max, config.n_batch, config.n_ctx)))
-        self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
+        self.target_model: LlamaModel = None  # type: ignore[assignment]  # set below, or there is no engine
+        self.target: KvSequence = None  # type: ignore[assignment]
         self.draft_model: LlamaModel | None = None
         self.draft: KvSequence | None = None
-        if config.draft is not None:
-            self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
-            self.draft = KvSequence(LlamaContext(self.draft_model, ctx_config))
+        try:
+            self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
+            self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
+            if config.draft is not None:
+                self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
+                self.draft = KvSequence(LlamaContext(self.draft_model, ctx_config))
+        except BaseException:
+            self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
+            raise
         self._cost_cache = CostCache(cost_cache_path(config.cost_cache))
         self._cost: DeviceCost | None = None
         # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation.
@@ -87,7 +93,8 @@ class Engine:
 
     def _cost_key(self) -> str:
         c = self.config
-        placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch]
+        placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
+                     self.target.batch.capacity]  # the batch size llama.cpp really has
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 
     def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2, remeasure: bool = False) -> DeviceCost | None:
@@ -101,10 +108,10 @@ class Engine:
         yet; the next call tries again. `remeasure` measures now whatever is
         known (`specchat bench` does, so later sessions decide with its curve).
         """
+        if self._cost is not None and not remeasure:
+            return self._cost  # held: no need to stat the model files again
         key = self._cost_key()
         if not remeasure:
-            if self._cost is not None:
-                return self._cost
             self._cost = self._cost_cache.get(key)
             if self._cost is not None:
                 return self._cost

@@ -15,7 +15,6 @@ from typing import Iterable, Literal, Union
 TokenKind = Literal["accepted", "target", "rejected"]
 # Who proposed a token: the draft model, prompt lookup, lookahead's n-gram pool, or nobody (the target's own).
 Source = Literal["draft", "lookup", "lookahead", "target"]
-SOURCES: tuple[Source, ...] = ("draft", "lookup", "lookahead", "target")
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 ACCEPTED: TokenKind = "accepted"
@@ -57,7 +56,7 @@ class StepEnd:
     """One target forward pass is finished.
 
     `choice` names what the step verified ("plain", "draft", "lookup",
-    "lookahead", "draft+lookup"); `why` is `auto`'s reason for it, in words.
+    "lookahead", "tree"); `why` is `auto`'s reason for it, in words.
     """
 
     drafted: int

@@ -404,7 +404,6 @@ RPC_REBUILD_COMMAND = ('CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall
 # ggml-rpc.h of the vendored llama.cpp: a server must speak the same major version and no newer minor one.
 RPC_PROTO_MAJOR_VERSION = 7
 RPC_PROTO_MINOR_VERSION = 0
-RPC_DEFAULT_PORT = 50052  # tools/rpc/rpc-server.cpp
 # ggml/src/ggml-rpc/ggml-rpc.cpp and transport.h: RPC_CMD_HELLO, rpc_msg_hello_req/_rsp, RPC_CONN_CAPS_SIZE.
 _RPC_CMD_HELLO = 14
 _RPC_CONN_CAPS_SIZE = 24

@@ -114,7 +114,7 @@ def _grid(o: StrategyOptions, field: str, values: list[dict[str, object]]) -> li
 REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec(
         "auto", "chooses every step between plain decoding, prompt lookup, lookahead and the draft model, "
-                "from measured cost and live acceptance (never slower than plain decoding)",
+                "from measured cost and live acceptance",
         needs_draft=False, build=_build_auto, label=_auto_label,
         n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1, uses_draft=True,
         sweep=lambda o: _grid(o, "auto", [{"draft": False}, {"lookup": False}, {"lookahead": False},

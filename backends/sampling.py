@@ -1,7 +1,7 @@
 """Sampling parameters and the one logits -> probabilities transform.
 
 Every strategy, for the target and for the draft, goes through `probabilities`
-so that speculative verification compares like with like (SPEC section 5).
+so that speculative verification compares like with like.
 The order is the one Hugging Face's `generate` uses: temperature, then top-k,
 then top-p (nucleus, Holtzman et al. 2020), then min-p (Nguyen et al. 2024).
 Temperature 0 means greedy decoding: argmax of the raw logits.

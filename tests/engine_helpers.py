@@ -9,7 +9,7 @@ from backends.sampling import GenParams
 
 def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenParams,
                 options: StrategyOptions = StrategyOptions()) -> Done:
-    """Generate, assert the SPEC section 4 event order and output invariant, return the Done."""
+    """Generate, assert the event order (Prefilled, Token..., Done) and output invariant, return the Done."""
     events = list(engine.strategy(strategy, options).generate(prompt, params))
     assert isinstance(events[0], Prefilled)
     assert isinstance(events[-1], Done)

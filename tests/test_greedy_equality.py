@@ -1,4 +1,4 @@
-"""With temperature 0, `sps` must give the target's own greedy tokens, token for token (SPEC section 4)."""
+"""With temperature 0, `sps` must give the target's own greedy tokens, token for token."""
 
 from __future__ import annotations
 

@@ -73,8 +73,8 @@ def test_lookup_equals_ar_demo(demo_engine: Engine, ngram_max: int) -> None:
     _equal_to_ar(demo_engine, text, 32, StrategyOptions(lookup=LookupConfig(ngram_max=ngram_max)), "lookup")
 
 
-# Recorded from llama.cpp's reference program (built by ../shared/tools/build-llama-cpp-reference.sh,
-# W=15, N=5, G=15 are compiled into it) on the demo target:
+# Recorded from llama.cpp's reference program (examples/lookahead at the tag llama-cpp-python 0.3.36 vendors,
+# built in Release; W=15, N=5, G=15 are compiled into it) on the demo target:
 #   llama-lookahead -m gemma-3-270m-F32.gguf -p "Once upon a time, in a small village," -n 128 -t 2 --temp 0 -c 4096
 # It printed n_predict = 129 (plus the first token: 130 tokens) and n_accept = 53 (on an AMD EPYC with AVX2, and
 # before on the machine the figure was first recorded on).

@@ -39,7 +39,7 @@ from backends.events import Done
 from models.demo import GEMMA, SMOLLM2
 
 # Settings whose change needs the models loaded again.
-RELOAD_FIELDS = ("target", "draft", "n_ctx", "threads", "n_gpu_layers", "n_gpu_layers_draft")
+RELOAD_FIELDS = ("target", "draft", "n_ctx", "n_batch", "threads", "n_gpu_layers", "n_gpu_layers_draft", "rpc")
 
 
 class LoadProgress(Message):
@@ -239,7 +239,6 @@ class ChatScreen(Screen):
     def on_tokens_arrived(self, message: TokensArrived) -> None:
         if self._answer is not None:
             self._answer.add_tokens(message.tokens)
-            self.transcript.changed()
         self.stats.show(live=message.live)
 
     def on_turn_finished(self, message: TurnFinished) -> None:

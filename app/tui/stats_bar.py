@@ -1,6 +1,6 @@
 """The stats bar: strategy and its settings, acceptance, tokens per target
 forward, tokens/s, and the speedup against plain decoding measured on this
-device in this session (SPEC section 8)."""
+device in this session."""
 
 from __future__ import annotations
 

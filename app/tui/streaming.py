@@ -1,4 +1,4 @@
-"""From the engine's event stream (SPEC section 4) to UI messages, in the generation thread.
+"""From the engine's events (backends.events) to UI messages, in the generation thread.
 
 A step of speculation can release a burst of tokens in microseconds; posting
 one message per token would flood the UI's queue and steal CPU from

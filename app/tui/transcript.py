@@ -77,7 +77,6 @@ class AnswerView(Widget):
         super().__init__()
         self.speculation_view = speculation_view
         self.tokens: list[Token] = []
-        self.tail = ""
         self._coloured = Text()
         self._output: list[str] = []  # the output text in pieces: accepted and target tokens, then the tail
         self._sent = 0  # pieces of _output already written to the Markdown widget
@@ -110,7 +109,6 @@ class AnswerView(Widget):
 
     def finish(self, tail: str) -> None:
         """The end of the answer: the text no token carried (also a saved answer, shown with no tokens)."""
-        self.tail = tail
         self._coloured.append(tail)
         self._output.append(tail)
         self._show()
@@ -168,9 +166,6 @@ class Transcript(VerticalScroll):
     def add(self, widget: Widget) -> Widget:
         self.mount(widget)
         return widget
-
-    def changed(self) -> None:
-        """Kept for callers: the transcript follows growing content by itself."""
 
     def answers(self) -> list[AnswerView]:
         return list(self.query(AnswerView))

@@ -202,7 +202,7 @@ class Choice:
     """One step's option: what to verify, how long at most, expected tokens and seconds, and why."""
 
     option: str
-    length: int = 0  # lookup: tokens to verify; draft: most tokens to draft
+    length: int = 0  # lookup: tokens to verify (a draft chain finds its own length as it drafts)
     tokens: float = 1.0  # expected output tokens
     seconds: float = 1.0  # expected time
     why: str = ""
@@ -272,7 +272,6 @@ class _Generation:
         engine, options = owner.engine, owner.options
         self.engine = engine
         self.cfg = options.auto
-        self.sps = options.sps
         self.state = owner.state
         self.target = engine.target
         self.draft = engine.draft if options.auto.draft else None

@@ -1,4 +1,4 @@
-"""The `Strategy` role (SPEC section 4) and the loop every strategy shares.
+"""The `Strategy` role and the loop every strategy shares.
 
 A strategy supplies its prompt decode and one step (one target forward pass
 and the events it yields); `drive` wraps them with the start, the stop checks
