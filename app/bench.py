@@ -12,7 +12,6 @@ times alone would allow, so the table shows how close each runs to its limit.
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -188,6 +187,3 @@ def format_table(rows: list[dict[str, object]]) -> str:
         )
     return "\n".join(lines)
 
-
-def print_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

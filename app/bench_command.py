@@ -7,7 +7,8 @@ import json
 import platform
 import sys
 from pathlib import Path
-from app.bench import BenchConfig, format_table, measure_costs, print_progress, run_bench
+from app.bench import BenchConfig, format_table, measure_costs, run_bench
+from app.errors import print_progress
 from app.bench_plot import write_plot
 from app.chat_template import ChatMessage
 from app.loading import open_engine

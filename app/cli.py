@@ -1,5 +1,7 @@
 """`specchat` console script: the chat app (`chat`, the default), headless generation
-(`run`), the bundled demo (`demo`) and the benchmark (`bench`).
+(`run`), the bundled demo (`demo`), the benchmark (`bench`), the model manager
+(`models`), the OpenAI-compatible server (`serve`) and llama.cpp's RPC server
+(`rpc-server`).
 
 Text goes to stdout; progress, stats and errors to stderr. User errors (a
 missing or malformed model, an incompatible pair, a bad flag, a prompt that
@@ -16,7 +18,7 @@ import sys
 import threading
 from typing import Callable, NoReturn, Sequence
 
-from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error
+from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error, print_progress
 from app.loading import open_engine
 from app.models_command import add_models_parser, run_models
 from app.rpc_command import add_rpc_parser
@@ -25,7 +27,7 @@ from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
 from backends.config import AUTO, SHAPES, AutoConfig, LookaheadConfig, LookupConfig, SpsConfig, TreeConfig
-from backends.registry import DEFAULT_STRATEGY, NEEDS_DRAFT, REGISTRY, n_seq_needed
+from backends.registry import DEFAULT_STRATEGY, REGISTRY, n_seq_needed, require_draft
 from backends.events import Done
 
 DEMO_PROMPT = "Once upon a time, in a small village,"
@@ -117,7 +119,7 @@ def _seed(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
     if seed < -1:
         raise argparse.ArgumentTypeError(f"expected a seed >= 0, or -1 for a random one, got {seed}")
-    return None if seed == -1 else seed
+    return seed  # -1 stays -1 here, so that it overrides a saved seed; apply_flags makes it None
 
 
 def _add_prompt_flags(p: argparse.ArgumentParser) -> None:
@@ -138,6 +140,10 @@ def _tree_nodes(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {value!r}") from None
 
 
+MODEL_HELP = "target model: a .gguf path, 'smollm2' or 'demo' (the bundled pairs), an alias, or hf:OWNER/REPO[:QUANT]"
+DRAFT_HELP = "draft model, same forms: e.g. 'smollm2-draft' or 'demo-draft' (needed by sps and tree; used by auto)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specchat", description="Local LLM chat and generation, faster with speculative decoding.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and llama.cpp's log")
@@ -145,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate a completion headlessly")
     run.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
-    run.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
-    run.add_argument("-md", "--model-draft", default=None, help="draft model: .gguf path, or 'demo-draft'")
+    run.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    run.add_argument("-md", "--model-draft", default=None, help=DRAFT_HELP)
     _add_strategy_flag(run)
     _add_prompt_flags(run)
     _add_generation_flags(run)
@@ -154,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the chat app (the default with no command)",
                           description="Open the chat app. Flags given here override the saved settings "
                                       "(F4 in the app); the defaults shown are those of `specchat run`.")
-    chat.add_argument("-m", "--model", help="target model: .gguf path, or 'demo' (default: the saved one)")
-    chat.add_argument("-md", "--model-draft", help="draft model: .gguf path, or 'demo-draft'")
+    chat.add_argument("-m", "--model", help=MODEL_HELP + " (default: the saved one)")
+    chat.add_argument("-md", "--model-draft", help=DRAFT_HELP)
     chat.add_argument("--system", help="system prompt")
     _add_strategy_flag(chat)
     _add_generation_flags(chat, output=False)
@@ -170,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(demo, temp=0.0)
 
     bench = sub.add_parser("bench", help="strategies side by side on this device: table, JSON and plot")
-    bench.add_argument("-m", "--model", required=True, help="target model: .gguf path, or 'demo'")
-    bench.add_argument("-md", "--model-draft", default=None, help="draft model (needed for sps)")
+    bench.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    bench.add_argument("-md", "--model-draft", default=None, help=DRAFT_HELP)
     bench.add_argument("-s", "--strategies", default="ar,sps,lookahead,lookup,auto",
                        help=f"comma-separated strategies, of {','.join(REGISTRY)} "
                             "(default: ar,sps,lookahead,lookup,auto; sps and tree only with -md)")
@@ -194,9 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True,
-                   help="target model: .gguf path, 'smollm2' or 'demo', an alias, or hf:OWNER/REPO[:QUANT]")
-    p.add_argument("-md", "--model-draft", default=None, help="draft model, e.g. 'smollm2-draft' or 'demo-draft'")
+    p.add_argument("-m", "--model", required=True, help=MODEL_HELP)
+    p.add_argument("-md", "--model-draft", default=None, help=DRAFT_HELP)
     _add_strategy_flag(p)
 
 
@@ -216,10 +221,6 @@ def _read_prompt(arg: str | None) -> str:
     if arg is None:
         raise UserError("no prompt given (pass it as an argument, or - to read stdin)")
     return arg
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class _Interrupt:
@@ -254,12 +255,11 @@ def generate(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args.prompt)
     settings = settings_from_args(args)
     params, options = settings.params, settings.options
-    if args.strategy in NEEDS_DRAFT and settings.draft is None:
-        raise UserError(f"strategy '{args.strategy}' needs a draft model (-md DRAFT), or use -s ar")
+    require_draft(args.strategy, settings.draft is not None)
     raw = getattr(args, "raw", False) or args.command == "demo"
     if raw and settings.system_prompt:
         raise UserError("--system needs the chat template; it cannot go with --no-conversation")
-    engine = open_engine(settings, n_seq_needed(args.strategy, options), _progress,
+    engine = open_engine(settings, n_seq_needed(args.strategy, options), print_progress,
                          with_draft=REGISTRY[args.strategy].uses_draft)
     try:
         strategy = engine.strategy(args.strategy, options)

@@ -47,3 +47,8 @@ def error_line(message: str) -> str:
 
 def print_error(message: str) -> None:
     print(error_line(message), file=sys.stderr, flush=True)
+
+
+def print_progress(message: str) -> None:
+    """A progress line on stderr (building the demo pair, loading, measuring), so stdout stays the answer."""
+    print(message, file=sys.stderr, flush=True)

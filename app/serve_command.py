@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Callable
 
-from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error
+from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error, print_progress
 from app.settings import Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -45,10 +45,6 @@ def add_serve_parser(sub: argparse._SubParsersAction, parser_class: type[argpars
                      help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} if set)")
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _configure_logging() -> None:
     logger = logging.getLogger("specchat.serve")
     if not logger.handlers:
@@ -69,19 +65,18 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     from app.loading import open_engine
     from app.serve import N_SEQ_MAX, AnnouncingServer, EngineWorker, ServerConfig, make_app
-    from backends.registry import NEEDS_DRAFT
+    from backends.registry import require_draft
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if settings.strategy in NEEDS_DRAFT and settings.draft is None:
-        raise UserError(f"strategy '{settings.strategy}' needs a draft model (-md DRAFT), or use -s ar")
+    require_draft(settings.strategy, settings.draft is not None)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in LOOPBACK_HOSTS:
         print(f"specchat serve: warning: listening on {args.host}, reachable from other machines"
               + ("" if api_key else "; without --api-key anyone who reaches it can use it"),
               file=sys.stderr, flush=True)
     _configure_logging()
-    engine = open_engine(settings, N_SEQ_MAX, _progress, with_draft=True)  # the engine fits it to the batch
+    engine = open_engine(settings, N_SEQ_MAX, print_progress, with_draft=True)  # the engine fits it to the batch
     try:
         worker = EngineWorker(engine)
         worker.start()

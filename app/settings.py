@@ -127,6 +127,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "rpc": ("rpc",),
 }
 GENERATION = ("params.", "options.")
+RANDOM_SEED = -1  # --seed -1, llama.cpp's LLAMA_DEFAULT_SEED: a new random seed each time
 
 
 def apply_flags(settings: Settings, args: argparse.Namespace, only: tuple[str, ...] = ("",)) -> Settings:
@@ -136,6 +137,8 @@ def apply_flags(settings: Settings, args: argparse.Namespace, only: tuple[str, .
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if dest == "seed" and value == RANDOM_SEED:
+            value = None  # a random seed, overriding a saved one
         for path in paths:
             if path.startswith(only):
                 values[path] = tuple(value) if dest == "stop" else value

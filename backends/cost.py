@@ -169,9 +169,6 @@ class CostCache:
         except OSError:
             pass  # a cache that cannot be written only costs a new measurement next time
 
-    def drop(self, key: str) -> None:
-        self.put(key, None)
-
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Expected tokens per forward for a chain of k drafts each accepted with probability alpha."""

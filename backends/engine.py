@@ -123,11 +123,6 @@ class Engine:
         self._cost_cache.put(key, self._cost)
         return self._cost
 
-    def invalidate_cost(self) -> None:
-        """Forget the measured costs (they no longer match what this device does): measured anew next time."""
-        self._cost = None
-        self._cost_cache.drop(self._cost_key())
-
     def close(self) -> None:
         for seq in (self.target, self.draft):
             if seq is not None:

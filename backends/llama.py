@@ -678,9 +678,11 @@ def _check_rpc_memory(info: object, n_gpu_layers: int, devices: Sequence[int], e
     free = sum(api.dev_info(d).free for d in devices)
     if free and need > free:
         offloaded = "every layer" if share == 1.0 else f"{n_gpu_layers} of {n_layers} layers"
+        plural = len(endpoints) > 1 or len(devices) > len(endpoints)
+        local = " and this machine's GPUs" if len(devices) > len(endpoints) else ""  # they come after the RPC devices
         raise ModelError(f"{getattr(info, 'path', 'the model')}: {offloaded} need about {need >> 20} MiB on the RPC "
-                         f"server{'s' if len(endpoints) > 1 else ''} {', '.join(endpoints)}, which "
-                         f"{'have' if len(endpoints) > 1 else 'has'} {free >> 20} MiB free: lower -ngl to keep "
+                         f"server{'s' if len(endpoints) > 1 else ''} {', '.join(endpoints)}{local}, which "
+                         f"{'have' if plural else 'has'} {free >> 20} MiB free: lower -ngl to keep "
                          "layers here, or add servers")
 
 

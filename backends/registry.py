@@ -39,11 +39,16 @@ class StrategySpec:
             object.__setattr__(self, "uses_draft", True)
 
 
-def _draft(engine: "Engine", name: str):
-    if engine.draft is None:
+def require_draft(name: str, has_draft: bool) -> None:
+    """ModelError (one line) when strategy `name` needs a draft model and none is given."""
+    if REGISTRY[name].needs_draft and not has_draft:
         from models.errors import ModelError
 
-        raise ModelError(f"strategy '{name}' needs a draft model (-md DRAFT)")
+        raise ModelError(f"strategy '{name}' needs a draft model (-md DRAFT), or use -s ar")
+
+
+def _draft(engine: "Engine", name: str):
+    require_draft(name, engine.draft is not None)
     return engine.draft
 
 

@@ -19,6 +19,7 @@ import pytest
 from backends.config import AutoConfig, LookaheadConfig, LookupConfig, StrategyOptions
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
+from backends.events import StepEnd
 from backends.sampling import GenParams
 from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, best_chain_length,
                                       confidence_bin, explore_interval, lookup_acceptance)
@@ -105,7 +106,7 @@ def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:
     assert cache.get("k", now=1050.0) == cost
     assert cache.get("k", now=1101.0) is None, "older than max_age: measured again"
     assert cache.get("other", now=1050.0) is None
-    cache.drop("k")
+    cache.put("k", None)  # forgotten
     assert cache.get("k", now=1050.0) is None
     (tmp_path / "cost.json").write_text("{not json")
     assert cache.get("k") is None  # an unreadable file is an empty cache
@@ -144,8 +145,7 @@ def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) ->
     try:
         assert second.target.tokens == []
         assert second.device_cost() == measured, "a new session reads it back without measuring"
-        second.invalidate_cost()
-        assert second.device_cost() is None, "invalidated, and nothing in the cache to measure after"
+        assert second.device_cost(remeasure=True) is None, "measuring anew needs a context to measure after"
     finally:
         second.close()
 
@@ -204,6 +204,30 @@ def test_auto_finds_a_draft_its_prior_calls_too_slow(tiny) -> None:
     finally:
         engine.close()
         blind.close()
+
+
+def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_stretch(tiny) -> None:
+    """Past the early tries, trying the draft counts the decodes it needs to catch up on what it missed; after a
+    long stretch of plain steps that costs more than the exploration budget, so within one generation the draft
+    is retried only at its start (the prefill synced it), not every MIN_EXPLORE_INTERVAL steps."""
+    cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.5 * k) for k in range(16))), 0.9)  # the draft never pays
+    engine = _engine(tiny, tiny.draft, cost)
+    try:
+        state = engine.auto_state
+        state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})  # past the early tries
+        state.since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # stale: due now
+        prompt = engine.tokenize(TINY_PROMPTS[0])
+        events = list(engine.strategy("auto").generate(prompt, GenParams(max_tokens=3 * MIN_EXPLORE_INTERVAL + 40)))
+        position, tries = 0, []
+        for e in events:
+            if isinstance(e, StepEnd):
+                if e.choice == "draft":
+                    tries.append(position)
+                position += e.accepted + 1
+        assert position > 3 * MIN_EXPLORE_INTERVAL, "long enough that the old schedule would try it 3 more times"
+        assert tries == [0], tries
+    finally:
+        engine.close()
 
 
 def test_auto_without_a_draft_uses_lookup_on_copying_text(tiny) -> None:

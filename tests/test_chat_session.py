@@ -91,6 +91,12 @@ def test_chat_flags_override_only_what_was_given() -> None:
     assert (got.options.sps.draft_max, got.options.lookup.draft_max, got.options.sps.adaptive) == (3, 3, False)
 
 
+def test_seed_minus_one_overrides_a_saved_seed() -> None:
+    saved = Settings(params=GenParams(seed=5))
+    chat = lambda *flags: settings_from_flags(saved, build_parser().parse_args(["chat", *flags])).params.seed
+    assert (chat(), chat("--seed", "9"), chat("--seed", "-1")) == (5, 9, None)
+
+
 def test_flags_across_fields_apply_together() -> None:
     """Saved n-grams 3..4, flags 1..2: applied one at a time, max=2 would first meet min=3 and fail."""
     saved = Settings(options=StrategyOptions(lookup=LookupConfig(ngram_max=4, ngram_min=3)))

@@ -260,3 +260,26 @@ def test_a_taken_port_is_one_line_and_exit_1(rpc_server) -> None:
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{rpc_server.port}" in lines[0], r.stderr
+
+
+def test_a_model_too_big_for_the_servers_memory_is_one_line_before_loading(monkeypatch) -> None:
+    """The weights' offloaded share against the devices' free memory (pure logic: the memory figures are given)."""
+    from types import SimpleNamespace
+
+    from backends import llama
+    from models.errors import ModelError
+
+    free = {1: 300 << 20, 2: 200 << 20}  # two RPC devices
+    monkeypatch.setattr(llama, "_ggml", lambda: SimpleNamespace(dev_info=lambda d: SimpleNamespace(free=free[d])))
+    info = SimpleNamespace(path="big.gguf", block_count=9, size_bytes=1000 << 20)  # 10 offloadable layers
+    endpoints = ["10.0.0.2:50052", "10.0.0.3:50052"]
+    with pytest.raises(ModelError) as e:
+        llama._check_rpc_memory(info, -1, [1, 2], endpoints)
+    message = str(e.value)
+    assert "\n" not in message and "every layer need about 1000 MiB" in message and "500 MiB free" in message
+    assert "10.0.0.2:50052, 10.0.0.3:50052, which have" in message and "lower -ngl" in message
+    llama._check_rpc_memory(info, 4, [1, 2], endpoints)  # 4 of 10 layers: 400 MiB fits in 500
+    with pytest.raises(ModelError, match="6 of 10 layers need about 600 MiB"):
+        llama._check_rpc_memory(info, 6, [1, 2], endpoints)
+    with pytest.raises(ModelError, match="10.0.0.2:50052 and this machine's GPUs, which have 500 MiB free"):
+        llama._check_rpc_memory(info, -1, [1, 2], endpoints[:1])  # one server, then a local GPU

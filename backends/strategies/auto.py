@@ -40,7 +40,9 @@ all of them costs at most `explore_budget` (1%) of the time. An option barely
 tried yet is judged by its prior alone, so its first tries come sooner (after
 8, 16, 32, 64 steps, on a budget halving from 16x), once per engine: a draft
 that pays is found within the first tokens, one that does not costs a few
-steps (explore_interval).
+steps (explore_interval). A try of the draft also counts the time the draft
+takes to catch up on the tokens decoded while it stood by, so once it is known
+not to pay it is retried near the start of a generation, when that is small.
 
 Lossless: each step is one of the lossless steps of the fixed strategies
 (greedy or Leviathan's rejection sampling for draft chains, SpecInfer's
@@ -89,6 +91,9 @@ LOOKUP_POSITIONS = 3
 # Tokens the draft lags behind the context at the start of a draft step that follows one: the last
 # drafted token (never decoded on the draft) and the target's bonus or correction token.
 CHAIN_LAG = 2
+# Before it is measured, a caught-up token costs this share of one draft decode (a batched decode of
+# many tokens costs far less per token than decoding them one by one).
+CATCH_UP_PRIOR = 0.15
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 
 
@@ -183,6 +188,8 @@ class AutoState:
     t_plain: Ewma = field(default_factory=lambda: Ewma(0.1))
     t_draft: Ewma = field(default_factory=lambda: Ewma(0.1))
     row_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
+    # Seconds per token for the draft to catch up on tokens decoded while it stood by (a batched decode).
+    catch_up: Ewma = field(default_factory=lambda: Ewma(0.1))
     # Throughput reached: EWMA of tokens and of seconds per step.
     tokens: Ewma = field(default_factory=lambda: Ewma(0.02))
     seconds: Ewma = field(default_factory=lambda: Ewma(0.02))
@@ -369,6 +376,8 @@ class _Generation:
             if o.option == best.option:
                 continue
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
+            if o.option == DRAFT and st.taken.get(DRAFT, 0) >= EARLY_TRIES:  # the early tries: once per engine
+                extra += self.catch_up_seconds(t_plain)
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), st.taken.get(o.option, 0)):
                 return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
                               f"{o.option} — trying it (its estimate is stale)", True)
@@ -376,6 +385,26 @@ class _Generation:
             self._why_text = self._why(best, options, t_plain)
             self._why_option, self._why_step = best.option, run.forwards
         return Choice(best.option, best.length, best.tokens, best.seconds, self._why_text)
+
+    def catch_up_seconds(self, t_plain: float) -> float:
+        """Expected time for the draft to catch up on the tokens it missed, were it used now.
+
+        Part of what trying the draft costs: the draft decodes only when used,
+        so a try after a stretch of other steps first decodes that stretch. Over
+        a long stretch that comes to a fixed share of the time (a few percent
+        with a draft a quarter of the target's cost), more than the exploration
+        budget, so the draft is then tried only when it is nearly caught up: in
+        the first steps of a generation, after the prefill synced it. The early
+        tries leave it out: they come once per engine, within its first ~120
+        steps, so what they catch up on is bounded.
+        """
+        draft = self.draft
+        assert draft is not None
+        lag = len(self.run.context) - len(draft.tokens)
+        if lag <= CHAIN_LAG:
+            return 0.0
+        per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.state.t_draft.get(t_plain * 0.5))
+        return (lag - 1) * per_token
 
     def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
         """The shortest chain, for the record (what it would give) when no length pays."""
@@ -416,6 +445,7 @@ class _Generation:
             # step is measured to cost (one draft decode stands for it), or a draft tried after a long
             # plain stretch would look dear and never be taken again.
             self.catch_up = max(time.perf_counter() - t0 - t_draft, 0.0)
+            st.time(st.catch_up, self.catch_up / (lag - 1))
         else:
             self.catch_up = 0.0
         decodes = 1

@@ -3,8 +3,9 @@
 Shared by the strategies that verify many branches in one batch, each under
 its own sequence id (`lookahead`'s n-grams, `tree`'s paths). At each position
 the target picks its token among the branches' candidates (greedy: argmax;
-sampling: SpecInfer's one-hot multi-candidate rule, backends.verify), and after
-the walk the accepted branch's cells become sequence 0 and all others go.
+sampling: SpecInfer's one-hot multi-candidate rule, backends.verify); after the
+walk the caller keeps the accepted branch's cells as sequence 0 and drops the
+others (backends.kv.KvSequence.keep_branch).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Generator, Sequence
 import numpy as np
 
 from backends.events import ACCEPTED, TARGET, Event, Source
-from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
 from backends.verify import choose_among_candidates
@@ -39,8 +39,3 @@ def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
     if ev is not None:
         yield ev
     return token, matched, ev is not None and matched
-
-
-def keep_branch(target: KvSequence, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
-    """After a multi-branch step: the winning branch's cells become sequence 0 (backends.kv.KvSequence.keep_branch)."""
-    target.keep_branch(context, keep, best_seq, reshare)

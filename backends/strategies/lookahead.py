@@ -31,7 +31,7 @@ from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample
 from backends.strategies.base import drive, never
-from backends.strategies.branches import keep_branch, pick_among
+from backends.strategies.branches import pick_among
 from backends.strategies.chain import chain_step
 from backends.strategies.ngram_pool import NgramPool
 
@@ -139,7 +139,7 @@ class LookaheadWindow:
             active = [g for g in active if v < N - 1 and b.candidates[g][v] == token]
             self._advance_window(b, v == 0)
         # KV: keep the input token and the matched n-gram prefix, in sequence 0, shared again.
-        keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq, W + G + 1)
+        target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq, W + G + 1)
         self.accepted_hist[n_accepted] += 1
         yield run.end_step(len(b.candidates[0]) if b.candidates else 0, n_accepted, "lookahead", why)
 

@@ -55,7 +55,7 @@ from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.strategies.base import drive, never
-from backends.strategies.branches import keep_branch, pick_among
+from backends.strategies.branches import pick_among
 from backends.strategies.chain import chain_step
 
 @dataclass
@@ -273,7 +273,7 @@ class TreeSpeculation:
                 row = rows[cur]
             # Sequences 1.. are shared anew at the next step's start.
             best_seq = min(paths[cur]) if n_matched else 0
-            keep_branch(target, run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
+            target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
             yield run.end_step(len(nodes), n_accepted, "tree")
 
         def step() -> Iterator[Event]:
