@@ -86,7 +86,12 @@ def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> 
     """Copies accepted at the first two positions make the third and later worth verifying, so chains grow
     as far as the text repeats; a match length never seen keeps the low prior."""
     a = lookup_acceptance(first=0.15)
-    assert a.p((3, 0)) == a.p((3, 2)) == 0.15
+    assert a.p((3, 0)) == a.p((3, 2)) == 0.6, "a 3-token match starts likelier right than a 1-token one"
+    assert (a.p((1, 0)), a.p((2, 0))) == (0.15, 0.3)
+    for _ in range(30):
+        a.update((3, 0), False)
+    assert a.p((3, 0)) < 0.1 and a.p((3, 2)) < 0.1, "a prior that was too hopeful is corrected by what is seen"
+    a = lookup_acceptance(first=0.15)
     for _ in range(30):
         a.update((3, 0), True)
         a.update((3, 1), True)

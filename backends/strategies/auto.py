@@ -154,16 +154,27 @@ def confidence_bin(c: float) -> int:
     return min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
 
-def lookup_acceptance(first: float = 0.15) -> Acceptance:
+def lookup_acceptance(first: float = 0.15, longest: float = 0.6) -> Acceptance:
     """Lookup's acceptance by (match length, position).
 
-    The first position's prior is low, as most text does not repeat itself. A
-    later position borrows the estimate of the one before it as its prior: a
-    copy accepted so far tends to go on (repetition runs in streaks), and with
-    a fixed low prior the positions past the first tries would never be
-    verified, so never learnt, and chains would stay as short as first tried.
+    The first position's prior is `first` after a 1-token match, as most text
+    does not repeat itself, and doubles with each further matched token (up to
+    `longest`): a longer match is likelier to go on, and a prior that is too
+    low is never corrected, because an option estimated worse is only tried
+    once per MIN_EXPLORE_INTERVAL steps, while one tried on an optimistic prior
+    is learnt from at once. A later position borrows the estimate of the one
+    before it as its prior: a copy accepted so far tends to go on (repetition
+    runs in streaks), and with a fixed low prior the positions past the first
+    tries would never be verified, so never learnt, and chains would stay as
+    short as first tried.
     """
-    acc = Acceptance(lambda k: first if k[1] == 0 else acc.p((k[0], k[1] - 1)))  # type: ignore[index]
+    def prior(key: object) -> float:
+        match, position = key  # type: ignore[misc]
+        if position == 0:
+            return min(first * 2 ** max(match - 1, 0), longest)
+        return acc.p((match, position - 1))
+
+    acc = Acceptance(prior)
     return acc
 
 
