@@ -265,10 +265,11 @@ def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
 
 
 @pytest.mark.parametrize("proposers, mixed", [
-    ({"lookup": False}, {"draft", "plain"}),
-    ({}, {"lookup", "draft", "plain"}),
+    ({"lookup": False}, {"draft": 40, "plain": 40}),
+    # On this copying prompt lookup takes most steps; the draft's law is checked in depth by the case above.
+    ({}, {"lookup": 40, "draft": 20, "plain": 40}),
 ], ids=["draft-plain", "all"])
-def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: set[str]) -> None:
+def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict[str, int]) -> None:
     """Mixed steps (draft chains with rejection sampling, lookup one-hot, plain) at temperature 1.
 
     The outcome is the first two tokens, too few for a lookahead step (it needs room for its n-grams);
@@ -290,7 +291,7 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: set[
             key = outcome(engine, done)
             counts[key] = counts.get(key, 0) + 1
             choices.update(done.stats.steps_by_choice)
-        assert min(choices[c] for c in mixed) > 40, f"the test must mix steps: {choices}"
+        assert all(choices[c] > least for c, least in mixed.items()), f"the test must mix steps: {choices}"
         assert sum(choices[c] for c in mixed if c != "plain") > 1000, choices
         p_value = fits_law(counts, law)
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
