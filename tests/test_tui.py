@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from textual.widgets import Markdown, Static
 from app.cli import main
 from app.render import TRUECOLOR
 from app.settings import Settings, load_settings
-from app.tui.transcript import AnswerView, Transcript, UserMessage
+from app.tui.transcript import MARKDOWN_EVERY, AnswerView, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
 from backends.events import ACCEPTED, REJECTED, TARGET, Token
 from backends.sampling import GenParams
@@ -279,6 +280,36 @@ def test_streamed_markdown_equals_the_whole_document(batch) -> None:
             expected = markdown_blocks(app.query_one("#whole", Markdown))
             assert len(expected) > 10
             assert markdown_blocks(answer.markdown) == expected
+
+    asyncio.run(scenario())
+
+
+def test_a_streaming_markdown_answer_updates_at_most_once_a_second_and_shows_its_end_at_once() -> None:
+    """Each Markdown update re-lays out the blocks on screen, which a 2-core machine takes from generation:
+    the first text shows at once, what streams in within MARKDOWN_EVERY waits for one update, the end shows
+    at once."""
+    class Harness(App):
+        def compose(self):
+            yield AnswerView(speculation_view=False)
+
+    async def scenario() -> None:
+        app = Harness()
+        async with app.run_test(size=(100, 40)) as pilot:
+            answer = app.query_one(AnswerView)
+            answer.add_tokens([Token(0, "First words", TARGET)])
+            await wait_for(pilot, lambda: answer.markdown.source == "First words", "the first text", 2)
+            t0 = time.monotonic()
+            for i in range(5):
+                answer.add_tokens([Token(i + 1, f" more{i}", TARGET)])
+                await pilot.pause(0.05)
+            if time.monotonic() - t0 < MARKDOWN_EVERY * 0.8:  # a loaded machine may take longer than that
+                assert answer.markdown.source == "First words", "the batches since wait for the next update"
+            await wait_for(pilot, lambda: answer.markdown.source == answer.output_text, "the coalesced update",
+                           3 * MARKDOWN_EVERY)
+            answer.add_tokens([Token(9, " and the end.", TARGET)])
+            answer.finish("")
+            await wait_for(pilot, lambda: answer.markdown.source.endswith("the end."), "the end at once",
+                           MARKDOWN_EVERY / 2)
 
     asyncio.run(scenario())
 

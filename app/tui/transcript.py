@@ -13,8 +13,11 @@ widget re-parses only from its last top-level block, so an answer costs
 about linear time to show. Re-rendering the whole answer as one Markdown
 document on every batch (as a `Static` must) costs time quadratic in the
 answer's length, and on a 2-core machine that time is taken from
-generation. Each view is kept up to date only while it is shown: the
-Markdown widget catches up with one append when the user switches to it.
+generation. Even so each append re-lays out and repaints the blocks on
+screen, so a streaming Markdown answer is updated at most once a second
+(MARKDOWN_EVERY), the first text and the end at once. Each view is kept up to
+date only while it is shown: the Markdown widget catches up with one append
+when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has
 scrolled up to read; it decides when the content's height changes, since a
@@ -23,12 +26,14 @@ Markdown answer grows only once its stream's append has run.
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.geometry import Size
+from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -37,6 +42,11 @@ from app.render import TRUECOLOR, token_style
 from backends.events import REJECTED, Token
 
 PLACEHOLDER = "…"  # shown until the first token arrives
+# Least seconds between two updates of a streaming Markdown answer. Each update re-lays out and repaints
+# the Markdown blocks on screen, about three times what the speculation view's update costs; on a 2-core
+# machine that time is taken from generation (at the stream's 0.25 s it cost 12% of the tokens/s on a
+# 1,000-token answer, tests/perf/tui_overhead.py --view markdown). The first text and the end show at once.
+MARKDOWN_EVERY = 1.0
 FOLLOW_SLACK = 2  # lines from the end within which the transcript still follows new content
 
 
@@ -81,6 +91,9 @@ class AnswerView(Widget):
         self._output: list[str] = []  # the output text in pieces: accepted and target tokens, then the tail
         self._sent = 0  # pieces of _output already written to the Markdown widget
         self._stream: MarkdownStream | None = None
+        self._markdown_sent_at = float("-inf")  # time.monotonic() of the last Markdown update
+        self._markdown_timer: Timer | None = None
+        self._finished = False
         self.spec = Static(PLACEHOLDER, markup=False)
         self.markdown = Markdown()
 
@@ -111,10 +124,19 @@ class AnswerView(Widget):
         """The end of the answer: the text no token carried (also a saved answer, shown with no tokens)."""
         self._coloured.append(tail)
         self._output.append(tail)
-        self._show()
+        self._finished = True
+        self._show_now()
 
     def set_view(self, speculation_view: bool) -> None:
         self.speculation_view = speculation_view
+        self._show_now()
+
+    def _show_now(self) -> None:
+        """Show what there is without waiting for the next Markdown update."""
+        if self._markdown_timer is not None:
+            self._markdown_timer.stop()
+            self._markdown_timer = None
+        self._markdown_sent_at = float("-inf")
         self._show()
 
     @property
@@ -131,10 +153,19 @@ class AnswerView(Widget):
         self.spec.display = not markdown
         self.markdown.display = markdown
         if markdown:
-            if self._sent < len(self._output):
-                self.call_later(self._send_markdown)
+            if self._sent < len(self._output) and self._markdown_timer is None:
+                wait = MARKDOWN_EVERY - (time.monotonic() - self._markdown_sent_at)
+                if wait <= 0 or self._finished:
+                    self._markdown_sent_at = time.monotonic()
+                    self.call_later(self._send_markdown)
+                else:  # the tokens arriving meanwhile go with this update
+                    self._markdown_timer = self.set_timer(wait, self._markdown_due)
         else:
             self.spec.update(self._coloured if self._coloured else PLACEHOLDER)
+
+    def _markdown_due(self) -> None:
+        self._markdown_timer = None
+        self._show()
 
     async def _send_markdown(self) -> None:
         """Append what the Markdown widget has not seen yet (runs in this widget's queue: in order, once mounted)."""
