@@ -373,7 +373,7 @@ class _Generation:
                 # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
                 options.append(Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_cost.value * t_plain))
             else:  # before any draft step: from the acceptance by position
-                t_draft = st.t_draft.get(t_plain * 0.5)
+                t_draft = self.t_draft(t_plain)
                 accept = [st.draft_by_pos.p(i) for i in range(k_max)]
                 k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
                 options.append(Choice(DRAFT, k_max, tokens, seconds) if k else
@@ -397,6 +397,10 @@ class _Generation:
             self._why_option, self._why_step = best.option, run.forwards
         return Choice(best.option, best.length, best.tokens, best.seconds, self._why_text)
 
+    def t_draft(self, t_plain: float) -> float:
+        """Seconds per draft decode: measured, seeded from the device cost, else half a plain step."""
+        return self.state.t_draft.get(t_plain * 0.5)
+
     def catch_up_seconds(self, t_plain: float) -> float:
         """Expected time for the draft to catch up on the tokens it missed, were it used now.
 
@@ -414,7 +418,7 @@ class _Generation:
         lag = len(self.run.context) - len(draft.tokens)
         if lag <= CHAIN_LAG:
             return 0.0
-        per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.state.t_draft.get(t_plain * 0.5))
+        per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.t_draft(t_plain))
         return (lag - 1) * per_token
 
     def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
@@ -443,7 +447,7 @@ class _Generation:
         assert draft is not None
         rate = self.rate()
         t_plain = st.t_plain.get(self.t1 or 1.0)
-        t_draft = st.t_draft.get(t_plain * 0.5)
+        t_draft = self.t_draft(t_plain)
         row = max(st.row_overhead.get(0.0), 0.0)
         tokens: list[int] = []
         dists: list[np.ndarray] = []
