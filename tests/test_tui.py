@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 from textual.app import App
+from textual.geometry import Region
 from textual.widgets import Markdown, Static
 
 from app.cli import main
 from app.render import TRUECOLOR
 from app.settings import Settings, load_settings
-from app.tui.transcript import MARKDOWN_EVERY, AnswerView, Transcript, UserMessage
+from app.tui.streaming import MARKDOWN_INTERVAL, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.transcript import AnswerView, ColouredText, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
-from backends.events import ACCEPTED, REJECTED, TARGET, Token
+from backends.events import ACCEPTED, REJECTED, TARGET, Done, GenStats, Prefilled, StepEnd, Token
 from backends.sampling import GenParams
 from engine_helpers import run_to_done
 from tui_helpers import app_for, errors, send, tiny_settings, wait_for, wait_loaded
@@ -168,7 +170,7 @@ def test_speculation_view_toggles_colours_and_markdown(tiny, tmp_path) -> None:
             await send(pilot, "a b")
             answer = app.chat.transcript.answers()[0]
             assert answer.spec.display and not answer.markdown.display
-            assert answer.spec.content is answer.coloured  # every token, rejected drafts too
+            assert char_styles(*answer.spec.pieces) == char_styles(answer.coloured)  # every token, rejected drafts too
             styles = {str(span.style) for span in answer.coloured.spans}
             palette = TRUECOLOR
             assert {palette.accepted, palette.rejected, palette.correction} <= styles, styles
@@ -185,7 +187,7 @@ def test_speculation_view_toggles_colours_and_markdown(tiny, tmp_path) -> None:
             await wait_for(pilot, lambda: second.markdown.source == second.output_text, "the streamed Markdown")
             assert second.markdown.display and second.output_text
             await pilot.press("f3")
-            assert second.spec.display and second.spec.content is second.coloured
+            assert second.spec.display and char_styles(*second.spec.pieces) == char_styles(second.coloured)
 
     asyncio.run(scenario())
 
@@ -284,32 +286,101 @@ def test_streamed_markdown_equals_the_whole_document(batch) -> None:
     asyncio.run(scenario())
 
 
-def test_a_streaming_markdown_answer_updates_at_most_once_a_second_and_shows_its_end_at_once() -> None:
-    """Each Markdown update re-lays out the blocks on screen, which a 2-core machine takes from generation:
-    the first text shows at once, what streams in within MARKDOWN_EVERY waits for one update, the end shows
-    at once."""
+def test_the_stream_posts_at_the_interval_the_view_asks_for_and_the_end_at_once() -> None:
+    """Tokens reach the UI in batches at least `interval()` seconds apart, always at a step boundary; the
+    interval is asked for at every step (the Markdown view asks for a longer one than the speculation view,
+    and the user can switch mid-answer); the tokens left at the end come with the `Done`."""
+    now = [0.0]
+    interval = [0.25]
+    events: list = [Prefilled(n_tokens=3, n_cached=0, seconds=0.0)]
+    for step in range(40):  # a step every 0.1 s, two tokens each
+        events += [Token(2 * step, "a", ACCEPTED, source="draft"), Token(2 * step + 1, "b", TARGET),
+                   StepEnd(drafted=1, accepted=1, seconds=0.1)]
+    done = Done(reason="length", tokens=(), text="ab" * 40, stats=GenStats("sps", prompt_tokens=3, prompt_cached=0, prompt_seconds=0.0,
+                                                generated_tokens=80, decode_seconds=4.0, target_forwards=40,
+                                                drafted=40, accepted=40))
+    posted: list[tuple[float, object]] = []
+
+    def timed():
+        for ev in events:
+            if isinstance(ev, StepEnd):
+                now[0] += 0.1
+                if now[0] > 1.95:
+                    interval[0] = MARKDOWN_INTERVAL  # the user switched to the Markdown view
+            yield ev
+        yield done
+
+    assert stream_events("sps", timed(), lambda m: posted.append((now[0], m)), lambda: interval[0],
+                         clock=lambda: now[0]) is done
+    batches = [(t, m) for t, m in posted if isinstance(m, TokensArrived)]
+    times = [t for t, _ in batches]
+    gaps = [round(b - a, 6) for a, b in zip(times, times[1:])]
+    assert isinstance(posted[0][1], PromptDecoded) and isinstance(posted[-1][1], TurnFinished)
+    early = [g for t, g in zip(times[1:], gaps) if t <= 1.95]
+    late = [g for t, g in zip(times[1:], gaps) if t > 2.05]
+    assert early and all(0.25 <= g <= 0.3 + 1e-9 for g in early), gaps
+    assert late and all(MARKDOWN_INTERVAL <= g <= MARKDOWN_INTERVAL + 0.1 + 1e-9 for g in late[:-1]), gaps
+    streamed = [tok for _, m in batches for tok in m.tokens]
+    assert streamed == [ev for ev in events if isinstance(ev, Token)]  # every token once, in order
+    assert batches[-1][1].live.generated == 80
+
+
+def char_styles(*texts) -> list[tuple[str, str]]:
+    """Each visible character of rich Texts with the styles on it (a space's or a newline's shows nowhere)."""
+    out = []
+    for text in texts:
+        styles: list[list[str]] = [[] for _ in text.plain]
+        for span in text.spans:
+            for i in range(span.start, span.end):
+                styles[i].append(str(span.style))
+        out += [(ch, "+".join(st)) for ch, st in zip(text.plain, styles) if not ch.isspace()]
+    return out
+
+
+def shown_lines(*widgets) -> list[str]:
+    """The lines the widgets render, in order."""
+    return [strip.text.rstrip() for w in widgets for strip in w.render_lines(Region(0, 0, *w.size))]
+
+
+def test_a_long_speculation_view_answer_is_shown_in_frozen_chunks_that_wrap_as_one_text() -> None:
+    """A long answer streamed into the speculation view, paragraphs and then one paragraph of 4,000
+    characters: its lines but the last move into Statics that never change again, so an update re-wraps
+    only the live part. What is shown is every token in its colour, in the same lines as the whole text in
+    one Static, also after the terminal is resized."""
+    words = [f"w{i}" + "x" * (i % 7) for i in range(1400)]
+    pieces = [w + ("\n\n" if i % 37 == 36 and i < 500 else "\n" if i % 11 == 10 and i < 500 else " ")
+              for i, w in enumerate(words)]
+
     class Harness(App):
         def compose(self):
-            yield AnswerView(speculation_view=False)
+            yield AnswerView(speculation_view=True)
+            yield Static(id="whole", markup=False)
 
     async def scenario() -> None:
         app = Harness()
-        async with app.run_test(size=(100, 40)) as pilot:
+        async with app.run_test(size=(90, 40)) as pilot:
             answer = app.query_one(AnswerView)
-            answer.add_tokens([Token(0, "First words", TARGET)])
-            await wait_for(pilot, lambda: answer.markdown.source == "First words", "the first text", 2)
-            t0 = time.monotonic()
-            for i in range(5):
-                answer.add_tokens([Token(i + 1, f" more{i}", TARGET)])
-                await pilot.pause(0.05)
-            if time.monotonic() - t0 < MARKDOWN_EVERY * 0.8:  # a loaded machine may take longer than that
-                assert answer.markdown.source == "First words", "the batches since wait for the next update"
-            await wait_for(pilot, lambda: answer.markdown.source == answer.output_text, "the coalesced update",
-                           3 * MARKDOWN_EVERY)
-            answer.add_tokens([Token(9, " and the end.", TARGET)])
+            whole = app.query_one("#whole", Static)
+            for i in range(0, len(pieces), 6):
+                answer.add_tokens([Token(i + k, p, ACCEPTED if k % 2 else TARGET, source="draft" if k % 2
+                                         else "target") for k, p in enumerate(pieces[i:i + 6])])
+                if i % 30 == 0:
+                    await pilot.pause()
+            answer.add_tokens([Token(0, "no", REJECTED, source="draft")])
             answer.finish("")
-            await wait_for(pilot, lambda: answer.markdown.source.endswith("the end."), "the end at once",
-                           MARKDOWN_EVERY / 2)
+            for width in (90, 61):
+                await pilot.resize_terminal(width, 40)
+                await pilot.pause()
+                whole.update(answer.coloured)
+                await pilot.pause()
+                chunks = list(answer.spec.query(Static))
+                assert len(chunks) >= (4 if width == 90 else 2), "the text was cut into chunks"
+                if width == 90:  # cut as it streamed (what came before the first layout went in one piece)
+                    assert max(len(c.content) for c in chunks[1:]) <= 2 * ColouredText.CHUNK
+                # the same text in the same colours, rejected drafts too
+                assert char_styles(*answer.spec.pieces) == char_styles(answer.coloured)
+                lines = shown_lines(*chunks)
+                assert len(lines) > 60 and lines == shown_lines(whole), width
 
     asyncio.run(scenario())
 
@@ -330,7 +401,7 @@ def test_saved_answer_reopens_in_either_view() -> None:
             await pilot.pause()
             assert any(type(b).__name__ == "MarkdownFence" for b in answer.markdown.walk_children())
             answer.set_view(True)
-            assert answer.spec.display and answer.spec.content.plain == STREAMED_MARKDOWN
+            assert answer.spec.display and answer.spec.text.plain == STREAMED_MARKDOWN
             answer.set_view(False)
             await pilot.pause()
             assert answer.markdown.source == STREAMED_MARKDOWN  # not appended twice

@@ -18,6 +18,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.message import Message
+from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, ProgressBar
 
@@ -30,7 +31,8 @@ from app.tui.history_screen import HistoryScreen
 from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
 from app.tui.stats_bar import StatsBar, turn_label
-from app.tui.streaming import LiveStats, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.streaming import (MARKDOWN_INTERVAL, POST_INTERVAL, LiveStats, PromptDecoded, TokensArrived,
+                               TurnFinished, stream_events)
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
 from backends.engine import Engine
@@ -83,6 +85,8 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New chat"),
     ]
 
+    generating: reactive[bool] = reactive(False, init=False)  # an answer is streaming
+
     def __init__(self, settings: Settings, store: ConversationStore, save: Callable[[Settings], None],
                  calibrate: bool = True) -> None:
         super().__init__()
@@ -92,7 +96,6 @@ class ChatScreen(Screen):
         self.calibrate = calibrate
         self.engine: Engine | None = None
         self.session: ChatSession | None = None
-        self.generating = False
         self.loading = False
         self.conversation_id = new_conversation_id()
         self._engine_lock = threading.Lock()
@@ -228,9 +231,19 @@ class ChatScreen(Screen):
     def _turn_worker(self, session: ChatSession, text: str, request: TurnRequest) -> None:
         with self._engine_lock:
             try:
-                stream_events(request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message)
+                stream_events(request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message,
+                              self._post_interval)
             except Exception as e:  # a prompt that does not fit, a template error, a bad setting
                 self.post_message(TurnFailed(describe(e)))
+
+    def _post_interval(self) -> float:
+        """Seconds between token batches, asked by the stream at every step: the view can change mid-answer."""
+        return POST_INTERVAL if self.settings.speculation_view else MARKDOWN_INTERVAL
+
+    def watch_generating(self, generating: bool) -> None:
+        # Each blink of the cursor is a frame of its own, and while an answer streams every frame is CPU time
+        # taken from generation; the cursor stays shown, still.
+        self.query_one("#prompt", Input).cursor_blink = not generating
 
     def on_prompt_decoded(self, message: PromptDecoded) -> None:
         p = message.prefilled

@@ -37,7 +37,9 @@ class StatsBar(Static):
             self.live = live
         if baseline is not None:
             self.baseline = baseline
-        self.update(self.render_text())
+        # The bar's height is fixed (two lines, in the app's CSS), so an update need not lay the screen out again:
+        # a layout pass reflows the whole transcript, and the bar updates four times a second while streaming.
+        self.update(self.render_text(), layout=False)
 
     def render_text(self) -> Text:
         """Two lines: what runs and what it is doing; then the figures of the last or current turn."""

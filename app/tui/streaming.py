@@ -7,9 +7,12 @@ always at a step boundary, plus once at the end. Every UI update costs CPU
 that llama.cpp's threads wait for (on a 2-core laptop each frame preempts a
 compute thread): measured with tests/perf/tui_overhead.py on the demo pair,
 updates every 1/30 s cost 7.7% of generation speed, every 0.1 s 5.7%, every
-0.25 s 4.2%; 0.25 s still streams a few tokens at a time. Live stats come from the
-same stream (StepEnd carries drafted/accepted per target forward), so the
-bar moves while the answer streams; the final figures are `Done.stats`.
+0.25 s 4.2%; 0.25 s still streams a few tokens at a time. The interval is asked
+for at every step, so the UI can change it mid-answer: the Markdown view posts
+once a second (MARKDOWN_INTERVAL), since each Markdown update re-lays out the
+blocks on screen. Live stats come from the same stream (StepEnd carries
+drafted/accepted per target forward), so the bar moves while the answer
+streams, in the same frame as the text; the final figures are `Done.stats`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from textual.message import Message
 from backends.events import REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
 
 POST_INTERVAL = 0.25  # seconds between UI updates while streaming
+# Seconds between UI updates while the answer streams into the Markdown view. Each update re-lays out and repaints
+# the Markdown blocks on screen, about three times what the speculation view's update costs; on a 2-core machine
+# that time is taken from generation (at 0.25 s it cost 12% of the tokens/s on a 1,000-token answer,
+# tests/perf/tui_overhead.py --view markdown).
+MARKDOWN_INTERVAL = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,10 @@ def stream_events(
     strategy: str,
     events: Iterable[Event],
     post: Callable[[Message], object],
-    interval: float = POST_INTERVAL,
+    interval: Callable[[], float] = lambda: POST_INTERVAL,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Done | None:
-    """Post the stream as coalesced messages; returns the `Done` event."""
+    """Post the stream as coalesced messages, at least `interval()` seconds apart; returns the `Done` event."""
     pending: list[Token] = []
     generated = drafted = accepted = forwards = 0
     by_source: dict[str, int] = {}
@@ -105,7 +113,7 @@ def stream_events(
             accepted += event.accepted
             why = event.why or why
             now = clock()
-            if pending and now - last_post >= interval:
+            if pending and now - last_post >= interval():
                 live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started,
                                  tuple(by_source.items()), why)
                 post(TokensArrived(tuple(pending), live))

@@ -14,10 +14,10 @@ about linear time to show. Re-rendering the whole answer as one Markdown
 document on every batch (as a `Static` must) costs time quadratic in the
 answer's length, and on a 2-core machine that time is taken from
 generation. Even so each append re-lays out and repaints the blocks on
-screen, so a streaming Markdown answer is updated at most once a second
-(MARKDOWN_EVERY), the first text and the end at once. Each view is kept up to
-date only while it is shown: the Markdown widget catches up with one append
-when the user switches to it.
+screen, so the chat screen streams tokens to a Markdown answer only once a
+second (app.tui.streaming.MARKDOWN_INTERVAL); each batch that arrives is
+shown at once. Each view is kept up to date only while it is shown: the
+Markdown widget catches up with one append when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has
 scrolled up to read; it decides when the content's height changes, since a
@@ -26,14 +26,13 @@ Markdown answer grows only once its stream's append has run.
 
 from __future__ import annotations
 
-import time
 from typing import Iterable
 
+from rich._wrap import divide_line
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.geometry import Size
-from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -42,11 +41,6 @@ from app.render import TRUECOLOR, token_style
 from backends.events import REJECTED, Token
 
 PLACEHOLDER = "…"  # shown until the first token arrives
-# Least seconds between two updates of a streaming Markdown answer. Each update re-lays out and repaints
-# the Markdown blocks on screen, about three times what the speculation view's update costs; on a 2-core
-# machine that time is taken from generation (at the stream's 0.25 s it cost 12% of the tokens/s on a
-# 1,000-token answer, tests/perf/tui_overhead.py --view markdown). The first text and the end show at once.
-MARKDOWN_EVERY = 1.0
 FOLLOW_SLACK = 2  # lines from the end within which the transcript still follows new content
 
 
@@ -67,8 +61,87 @@ def unsent(pieces: list[str], sent: int) -> tuple[str, int]:
     return "".join(pieces[sent:]), len(pieces)
 
 
+def live_cut(plain: str, width: int, chunk: int) -> int:
+    """Where to cut the live text `plain` (shown `width` cells wide) so that its beginning can be frozen: an
+    offset at which a shown line begins, past the first, or 0 for no cut while `plain` is `chunk` or shorter.
+
+    The cut is at the start of the last line shown: after the last newline, or, in a last paragraph longer
+    than `chunk`, at the start of its last wrapped line. Wrapping is greedy (rich's `divide_line`, which
+    Textual uses), so text appended later changes only the last line: the lines before the cut are final,
+    and the text after it wraps as it would in one widget.
+    """
+    if len(plain) <= chunk:
+        return 0
+    start = plain.rfind("\n") + 1  # the last paragraph's start
+    paragraph = plain[start:]
+    if len(paragraph) > chunk and "\t" not in paragraph:  # tabs are expanded before wrapping: cut at newlines
+        offsets = divide_line(paragraph, width, fold=True)
+        if offsets:
+            return start + offsets[-1]
+    return start
+
+
+class ColouredText(Widget):
+    """The speculation view's text, in `Static`s of whole lines: all but the last one never change again.
+
+    A `Static` re-wraps its whole text on every update, so one `Static` for a whole answer costs time
+    quadratic in the answer's length: on a 1,000-token answer, updated four times a second, the UI took 11%
+    of a core from generation. Once the live part holds more than CHUNK characters, its lines but the last
+    move into a `Static` of their own (`live_cut`), and later updates re-wrap only the text after them. The
+    cuts depend on the width; when it changes, the text is cut again.
+    """
+
+    DEFAULT_CSS = """
+    ColouredText {
+        height: auto;
+        layout: vertical;
+    }
+    """
+    CHUNK = 1000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = Text()  # the whole text
+        self._live_text = Text()  # its end, not yet frozen
+        self._live = Static(PLACEHOLDER, markup=False)
+        self._cut_at_width = 0
+
+    def compose(self) -> ComposeResult:
+        yield self._live
+
+    def append(self, text: str, style: str | None = None) -> None:
+        self.text.append(text, style=style)
+        self._live_text.append(text, style=style)
+
+    @property
+    def pieces(self) -> list[Text]:
+        """The text as shown: the frozen pieces, then the live one."""
+        return [w.content for w in self.query_children(Static) if w is not self._live] + [self._live_text]
+
+    def on_resize(self) -> None:
+        if self.size.width != self._cut_at_width and len(self.children) > 1:
+            self.remove_children([w for w in self.children if w is not self._live])
+            self._live_text = self.text.copy()
+            self.show()
+
+    def show(self) -> None:
+        width = self.size.width
+        cut = live_cut(self._live_text.plain, width, self.CHUNK) if self.is_mounted and width else 0
+        if cut:
+            done, self._live_text = self._live_text.divide([cut])
+            # A cut after a newline drops it (the next Static begins a line); one inside a paragraph drops
+            # the spaces the wrap would have hidden at the end of that line (a struck-out space would show).
+            if done.plain.endswith("\n"):
+                done.right_crop(1)
+            else:
+                done.rstrip()
+            self.mount(Static(done, markup=False), before=self._live)
+            self._cut_at_width = width
+        self._live.update(self._live_text if self.text else PLACEHOLDER)
+
+
 class AnswerView(Widget):
-    """One answer: a `Static` for the speculation view (and the placeholder), a `Markdown` for the other."""
+    """One answer: `ColouredText` for the speculation view (and the placeholder), a `Markdown` for the other."""
 
     DEFAULT_CSS = """
     AnswerView {
@@ -87,14 +160,10 @@ class AnswerView(Widget):
         super().__init__()
         self.speculation_view = speculation_view
         self.tokens: list[Token] = []
-        self._coloured = Text()
         self._output: list[str] = []  # the output text in pieces: accepted and target tokens, then the tail
         self._sent = 0  # pieces of _output already written to the Markdown widget
         self._stream: MarkdownStream | None = None
-        self._markdown_sent_at = float("-inf")  # time.monotonic() of the last Markdown update
-        self._markdown_timer: Timer | None = None
-        self._finished = False
-        self.spec = Static(PLACEHOLDER, markup=False)
+        self.spec = ColouredText()
         self.markdown = Markdown()
 
     def compose(self) -> ComposeResult:
@@ -115,57 +184,39 @@ class AnswerView(Widget):
     def add_tokens(self, tokens: Iterable[Token]) -> None:
         for tok in tokens:
             self.tokens.append(tok)
-            self._coloured.append(tok.text, style=token_style(tok, TRUECOLOR))
+            self.spec.append(tok.text, token_style(tok, TRUECOLOR))
             if tok.kind != REJECTED:
                 self._output.append(tok.text)
         self._show()
 
     def finish(self, tail: str) -> None:
         """The end of the answer: the text no token carried (also a saved answer, shown with no tokens)."""
-        self._coloured.append(tail)
+        self.spec.append(tail)
         self._output.append(tail)
-        self._finished = True
-        self._show_now()
+        self._show()
 
     def set_view(self, speculation_view: bool) -> None:
         self.speculation_view = speculation_view
-        self._show_now()
-
-    def _show_now(self) -> None:
-        """Show what there is without waiting for the next Markdown update."""
-        if self._markdown_timer is not None:
-            self._markdown_timer.stop()
-            self._markdown_timer = None
-        self._markdown_sent_at = float("-inf")
         self._show()
 
     @property
     def coloured(self) -> Text:
         """The speculation view: every token, rejected ones included, styled by origin."""
-        return self._coloured
+        return self.spec.text
 
     @property
     def showing_markdown(self) -> bool:
-        return not self.speculation_view and bool(self._coloured)
+        return not self.speculation_view and bool(self.spec.text)
 
     def _show(self) -> None:
         markdown = self.showing_markdown
         self.spec.display = not markdown
         self.markdown.display = markdown
         if markdown:
-            if self._sent < len(self._output) and self._markdown_timer is None:
-                wait = MARKDOWN_EVERY - (time.monotonic() - self._markdown_sent_at)
-                if wait <= 0 or self._finished:
-                    self._markdown_sent_at = time.monotonic()
-                    self.call_later(self._send_markdown)
-                else:  # the tokens arriving meanwhile go with this update
-                    self._markdown_timer = self.set_timer(wait, self._markdown_due)
+            if self._sent < len(self._output):
+                self.call_later(self._send_markdown)  # batches added before it runs go with it
         else:
-            self.spec.update(self._coloured if self._coloured else PLACEHOLDER)
-
-    def _markdown_due(self) -> None:
-        self._markdown_timer = None
-        self._show()
+            self.spec.show()
 
     async def _send_markdown(self) -> None:
         """Append what the Markdown widget has not seen yet (runs in this widget's queue: in order, once mounted)."""
