@@ -3,7 +3,9 @@
 Drives the real app in a real terminal (tmux: send-keys / capture-pane) on the
 demo pair, interleaving app turns with headless `specchat run` on the same
 prompt and settings, and reports medians. Not a test (timings are never
-asserted); run it on a quiet machine:
+asserted); run it on a quiet machine. Besides the tokens/s ratio, which a
+busy machine blurs by several percent, it reports the CPU share of the app's
+UI thread while it answers: the time the UI takes from llama.cpp's threads.
 
     python tests/perf/tui_overhead.py --repeats 5
     python tests/perf/tui_overhead.py --view markdown -n 1000 --temp 0 --repeats 2 --idle-seconds 0
@@ -62,9 +64,19 @@ def app_pid() -> int:
     return int(out[0]) if out else int(pane_pid)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+def cpu_seconds_of(stat_path: str) -> float:
+    fields = open(stat_path).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    return cpu_seconds_of(f"/proc/{pid}/stat")
+
+
+def ui_thread_seconds(pid: int) -> float:
+    """CPU seconds of the app's main thread: Textual's event loop, where every UI update runs (the
+    generation runs in a worker thread, llama.cpp in its own)."""
+    return cpu_seconds_of(f"/proc/{pid}/task/{pid}/stat")
 
 
 def run_cli(flags: list[str]) -> tuple[float, int]:
@@ -88,7 +100,9 @@ def main() -> None:
     args = ap.parse_args()
     flags = ["-s", args.strategy, "-n", str(args.n), "-t", str(args.t)] + (["--temp", args.temp] if args.temp else [])
     # A fresh config dir: the saved settings of the user do not leak in.
-    command = f"env SPECCHAT_CONFIG_DIR={tempfile.mkdtemp()} {sys.executable} -m app chat -m demo -md demo-draft " \
+    # COLORTERM: the app writes true colour, which tells the speculation view from the Markdown view below.
+    command = f"env COLORTERM=truecolor SPECCHAT_CONFIG_DIR={tempfile.mkdtemp()} {sys.executable} -m app chat " \
+              f"-m demo -md demo-draft " \
               + " ".join(flags)
     subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
     tmux("new-session", "-d", "-s", SESSION, "-x", "120", "-y", "40", command)
@@ -104,24 +118,27 @@ def main() -> None:
         if args.view == "markdown":
             tmux("send-keys", "-t", SESSION, "F3")  # speculation view off: a setting of this fresh config dir
         print(f"flags: {' '.join(flags)}; app view: {args.view}")
-        cli_rates, app_rates = [], []
+        cli_rates, app_rates, ui_shares = [], [], []
         for i in range(args.repeats):
             cli_rate, generated = run_cli(flags)
             cli_rates.append(cli_rate)
             tmux("send-keys", "-t", SESSION, "C-n")  # new chat: every turn answers the same prompt
             wait_for(r"·  new chat")
+            ui_before, started = ui_thread_seconds(pid), time.monotonic()
             tmux("send-keys", "-t", SESSION, "-l", PROMPT)
             tmux("send-keys", "-t", SESSION, "Enter")
             text = wait_for(r"done: (length|eos|stop)", timeout=900)
+            ui_shares.append((ui_thread_seconds(pid) - ui_before) / (time.monotonic() - started))
             app_rates.append(float(TOKS.search(text).group(1)))
             shown = "speculation" if GREEN in coloured_screen() else "markdown"
             if shown != args.view:
                 raise RuntimeError(f"the app showed the answer in the {shown} view, not the {args.view} view")
             print(f"repeat {i + 1}: specchat run {cli_rates[-1]:.2f} tok/s ({generated} tokens), "
-                  f"app {app_rates[-1]:.2f} tok/s")
+                  f"app {app_rates[-1]:.2f} tok/s; UI thread {100 * ui_shares[-1]:.1f}% of one core")
         ratio = statistics.median(a / c for a, c in zip(app_rates, cli_rates))
         print(f"median: specchat run {statistics.median(cli_rates):.2f} tok/s, app {statistics.median(app_rates):.2f} "
-              f"tok/s; app / run = {ratio:.3f} (median of per-repeat ratios)")
+              f"tok/s; app / run = {ratio:.3f} (median of per-repeat ratios); UI thread "
+              f"{100 * statistics.median(ui_shares):.1f}% of one core while answering")
     finally:
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
 
