@@ -21,8 +21,10 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, best_chain_length,
-                                      confidence_bin, explore_interval, lookup_acceptance)
+from backends.strategies.auto import (LOOKUP_CALIBRATION_ALPHA, LOOKUP_CALIBRATION_RANGE, MIN_EXPLORE_INTERVAL,
+                                      Acceptance, AutoState, Ewma, best_chain_length, confidence_bin,
+                                      expected_chain_tokens, explore_interval, lookup_acceptance,
+                                      lookup_calibration)
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -103,6 +105,30 @@ def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> 
 
 
 # -- the cost cache ---------------------------------------------------------------------------------------------------
+
+def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> None:
+    """Counts learnt on copying text promise long lookups; in an answer whose lookups keep failing, the
+    calibration (extra tokens given / predicted) scales them down until none pays, and back up when they pay."""
+    accept = [0.8] * 8
+    curve = BatchCost(tuple(0.01 * (1 + 0.08 * k) for k in range(16)))
+    rate = 1 / 0.01
+    assert expected_chain_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    real, predicted = Ewma(LOOKUP_CALIBRATION_ALPHA), Ewma(LOOKUP_CALIBRATION_ALPHA)
+    assert lookup_calibration(real, predicted) == 1.0  # no lookup step yet: the counts alone
+    k, _, _ = best_chain_length(accept, rate, 0.01, curve.relative, 0.0)
+    assert k == len(accept)
+    for _ in range(3):  # each promised the whole chain, gave a quarter of a token beyond the first
+        real.add(0.25)
+        predicted.add(expected_chain_tokens(accept, k) - 1)
+    f = lookup_calibration(real, predicted)
+    assert f == pytest.approx(0.25 / (expected_chain_tokens(accept, k) - 1))
+    assert best_chain_length([accept[0] * f, *accept[1:]], rate, 0.01, curve.relative, 0.0)[0] == 0
+    for _ in range(12):  # copying again: more than predicted
+        real.add(6.0)
+        predicted.add(3.0)
+    assert lookup_calibration(real, predicted) == pytest.approx(2.0, rel=0.05)
+    assert lookup_calibration(Ewma(0.25, 0.0, 1), Ewma(0.25, 5.0, 1)) == LOOKUP_CALIBRATION_RANGE[0]
+
 
 def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:
     cache = CostCache(tmp_path / "cost.json", max_age=100.0)
@@ -192,16 +218,19 @@ def test_exploration_comes_early_for_a_new_option_then_within_its_budget() -> No
 def test_auto_finds_a_draft_its_prior_calls_too_slow(tiny) -> None:
     """A draft costing 0.6 of a step on a curve rising 10% a row: at the prior acceptance (0.5) a draft step
     would lose, so without exploring auto stays plain; the identical draft really accepts everything, and the
-    early tries find that out within the first tokens, after which auto drafts."""
+    early tries find that out within the first tokens, after which auto drafts. (Without lookup: the tiny
+    model's output repeats itself, and lookup would compete for the steps.)"""
     cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.6)
     engine = _engine(tiny, tiny.same_draft, cost)
     blind = _engine(tiny, tiny.same_draft, cost)
+    no_lookup = AutoConfig(lookup=False)
     try:
         prompt = engine.tokenize(TINY_PROMPTS[1])
         ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=64))
-        stays = run_to_done(blind, "auto", prompt, GenParams(max_tokens=64), NO_EXPLORING)
-        assert stays.tokens == ref.tokens and set(stays.stats.steps_by_choice) <= {"plain", "lookup"}
-        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=64))
+        stays = run_to_done(blind, "auto", prompt, GenParams(max_tokens=64),
+                            StrategyOptions(auto=replace(no_lookup, explore_budget=0.0)))
+        assert stays.tokens == ref.tokens and set(stays.stats.steps_by_choice) == {"plain"}
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=64), StrategyOptions(auto=no_lookup))
         assert done.tokens == ref.tokens
         steps = done.stats.steps_by_choice
         assert steps.get("draft", 0) >= 3 * done.stats.extra["explored_steps"], steps  # chosen, not only tried

@@ -22,7 +22,14 @@ switch-off at low acceptance is its special case. The inputs:
     the state): for the draft by its confidence (its probability of the token
     it proposes; EAGLE-2 shows it tracks acceptance) and by position, for
     lookup by n-gram match length and position, for lookahead its tokens per
-    step. Beta-Bernoulli counts with a prior, decayed so they follow the text;
+    step. Beta-Bernoulli counts with a prior, decayed so they follow the text.
+    Lookup's counts pool text that copies (a rewrite, code) with text that
+    does not (an answer that quotes a passage now and then), so the tokens
+    its steps really give beyond the first are also compared with what the
+    counts predicted, over the last few lookup steps of the answer, and the
+    prediction is scaled by that ratio (`lookup_calibration`): a lookup that
+    promised 7 tokens and gave 1.2 is not taken again at that length in the
+    same answer, while the next answer starts from the counts alone;
   - seconds: the device's batch cost curve T(k)/T(1) and the draft's cost
     (measured once per model files, threads and build, cached on disk:
     Engine.device_cost), scaled by the live time of a plain step; plus the
@@ -94,6 +101,10 @@ CHAIN_LAG = 2
 # Before it is measured, a caught-up token costs this share of one draft decode (a batched decode of
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
+# Lookup's calibration follows the last few lookup steps (the weight of the newest) and scales the predicted
+# extra tokens by at most this much either way.
+LOOKUP_CALIBRATION_ALPHA = 0.25
+LOOKUP_CALIBRATION_RANGE = (0.05, 2.0)
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 
 
@@ -231,6 +242,23 @@ class Choice:
         return self.tokens - rate * self.seconds
 
 
+def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
+    """Expected output of verifying the first k proposals: 1 + the sum of the running products of `accept`."""
+    expected, reach = 1.0, 1.0
+    for a in accept[:k]:
+        reach *= a
+        expected += reach
+    return expected
+
+
+def lookup_calibration(real_extra: Ewma, predicted_extra: Ewma) -> float:
+    """The ratio of the extra tokens lookup steps gave to those predicted (1 before any), within bounds."""
+    if real_extra.value is None or not predicted_extra.value:
+        return 1.0
+    low, high = LOOKUP_CALIBRATION_RANGE
+    return min(max(real_extra.value / predicted_extra.value, low), high)
+
+
 def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
                       per_row: float, per_token: float = 0.0) -> tuple[int, float, float]:
     """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
@@ -310,6 +338,11 @@ class _Generation:
         self.batch_tokens = 0
         self.explored = 0
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
+        self.lookup_accept: list[float] = []  # lookup's acceptance by position as counted, for the last decision
+        # The extra tokens (beyond the one every step gives) this answer's lookup steps gave, and what the
+        # counts predicted for them.
+        self.lookup_real_extra = Ewma(LOOKUP_CALIBRATION_ALPHA)
+        self.lookup_predicted_extra = Ewma(LOOKUP_CALIBRATION_ALPHA)
         self._why_text, self._why_option, self._why_step = "", "", 0
 
     # -- prefill -------------------------------------------------------------
@@ -363,7 +396,11 @@ class _Generation:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
-            accept = [st.lookup.p((min(match, 4), min(i, LOOKUP_POSITIONS))) for i in range(len(lookup[:room]))]
+            self.lookup_accept = [st.lookup.p((min(match, 4), min(i, LOOKUP_POSITIONS)))
+                                  for i in range(len(lookup[:room]))]
+            # Scaling the first position's chance scales every length's expected extra tokens alike.
+            accept = list(self.lookup_accept)
+            accept[0] = min(accept[0] * lookup_calibration(self.lookup_real_extra, self.lookup_predicted_extra), 0.99)
             k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row)
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(LOOKUP, accept[0], t_plain, row))
@@ -532,6 +569,8 @@ class _Generation:
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice, [(min(match, 4), i)
                                                                                 for i in range(choice.length)])
+            self.lookup_real_extra.add(len(run.output) - before - 1)
+            self.lookup_predicted_extra.add(expected_chain_tokens(self.lookup_accept, choice.length) - 1)
         else:
             yield from self._chain([], None, PLAIN, choice, [])
         seconds = time.perf_counter() - t0
