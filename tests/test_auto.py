@@ -21,10 +21,8 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (LOOKUP_CALIBRATION_ALPHA, LOOKUP_CALIBRATION_RANGE, MIN_EXPLORE_INTERVAL,
-                                      Acceptance, AutoState, Ewma, best_chain_length, confidence_bin,
-                                      expected_chain_tokens, explore_interval, lookup_acceptance,
-                                      lookup_calibration)
+from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, Calibration, best_chain_length,
+                                      confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance)
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -108,26 +106,30 @@ def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> 
 
 def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> None:
     """Counts learnt on copying text promise long lookups; in an answer whose lookups keep failing, the
-    calibration (extra tokens given / predicted) scales them down until none pays, and back up when they pay."""
+    calibration (extra tokens given / predicted, each with 2 tokens of prior) scales them down until none
+    pays, and back up when they pay; small promises broken move it little."""
     accept = [0.8] * 8
-    curve = BatchCost(tuple(0.01 * (1 + 0.08 * k) for k in range(16)))
+    curve = BatchCost(tuple(0.01 * (1 + 0.15 * k) for k in range(16)))
     rate = 1 / 0.01
     assert expected_chain_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
-    real, predicted = Ewma(LOOKUP_CALIBRATION_ALPHA), Ewma(LOOKUP_CALIBRATION_ALPHA)
-    assert lookup_calibration(real, predicted) == 1.0  # no lookup step yet: the counts alone
+    cal = Calibration()
+    assert cal.factor() == 1.0  # no lookup step yet: the counts alone
     k, _, _ = best_chain_length(accept, rate, 0.01, curve.relative, 0.0)
     assert k == len(accept)
-    for _ in range(3):  # each promised the whole chain, gave a quarter of a token beyond the first
-        real.add(0.25)
-        predicted.add(expected_chain_tokens(accept, k) - 1)
-    f = lookup_calibration(real, predicted)
-    assert f == pytest.approx(0.25 / (expected_chain_tokens(accept, k) - 1))
+    promised = expected_chain_tokens(accept, k) - 1
+    cal.add(0.0, promised)
+    assert cal.factor() == pytest.approx(2 / (promised + 2))
+    for _ in range(5):  # each promised the whole chain, gave a quarter of a token beyond the first
+        cal.add(0.25, promised)
+    f = cal.factor()
+    assert f < 0.25
     assert best_chain_length([accept[0] * f, *accept[1:]], rate, 0.01, curve.relative, 0.0)[0] == 0
-    for _ in range(12):  # copying again: more than predicted
-        real.add(6.0)
-        predicted.add(3.0)
-    assert lookup_calibration(real, predicted) == pytest.approx(2.0, rel=0.05)
-    assert lookup_calibration(Ewma(0.25, 0.0, 1), Ewma(0.25, 5.0, 1)) == LOOKUP_CALIBRATION_RANGE[0]
+    for _ in range(30):  # copying again: more than predicted
+        cal.add(6.0, 3.0)
+    assert cal.factor() > 1.8
+    small = Calibration()
+    small.add(0.0, 0.5)
+    assert small.factor() == pytest.approx(0.8)
 
 
 def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:

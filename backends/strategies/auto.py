@@ -27,9 +27,9 @@ switch-off at low acceptance is its special case. The inputs:
     does not (an answer that quotes a passage now and then), so the tokens
     its steps really give beyond the first are also compared with what the
     counts predicted, over the last few lookup steps of the answer, and the
-    prediction is scaled by that ratio (`lookup_calibration`): a lookup that
-    promised 7 tokens and gave 1.2 is not taken again at that length in the
-    same answer, while the next answer starts from the counts alone;
+    prediction is scaled by that ratio (`Calibration`): a lookup that promised
+    7 tokens and gave 1.2 is not taken again at that length in the same
+    answer, while the next answer starts from the counts alone;
   - seconds: the device's batch cost curve T(k)/T(1) and the draft's cost
     (measured once per model files, threads and build, cached on disk:
     Engine.device_cost), scaled by the live time of a plain step; plus the
@@ -101,10 +101,6 @@ CHAIN_LAG = 2
 # Before it is measured, a caught-up token costs this share of one draft decode (a batched decode of
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
-# Lookup's calibration follows the last few lookup steps (the weight of the newest) and scales the predicted
-# extra tokens by at most this much either way.
-LOOKUP_CALIBRATION_ALPHA = 0.25
-LOOKUP_CALIBRATION_RANGE = (0.05, 2.0)
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 
 
@@ -251,12 +247,27 @@ def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
     return expected
 
 
-def lookup_calibration(real_extra: Ewma, predicted_extra: Ewma) -> float:
-    """The ratio of the extra tokens lookup steps gave to those predicted (1 before any), within bounds."""
-    if real_extra.value is None or not predicted_extra.value:
-        return 1.0
-    low, high = LOOKUP_CALIBRATION_RANGE
-    return min(max(real_extra.value / predicted_extra.value, low), high)
+@dataclass
+class Calibration:
+    """How far lookup's counts can be trusted in this answer: the extra tokens (beyond the one every step
+    gives) its lookup steps gave, against what the counts predicted for them.
+
+    The ratio of decayed sums, each with `prior` tokens added, so that it starts at 1 and moves by evidence
+    in tokens: one lookup that promised 6 extra tokens and gave none takes it to 2/8, while one that
+    promised 0.5 and gave none only to 2/2.5. `decay` per lookup step follows the text.
+    """
+
+    prior: float = 2.0
+    decay: float = 0.9
+    real: float = 0.0
+    predicted: float = 0.0
+
+    def add(self, real: float, predicted: float) -> None:
+        self.real = self.real * self.decay + real
+        self.predicted = self.predicted * self.decay + predicted
+
+    def factor(self) -> float:
+        return (self.real + self.prior) / (self.predicted + self.prior)
 
 
 def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
@@ -339,10 +350,7 @@ class _Generation:
         self.explored = 0
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
         self.lookup_accept: list[float] = []  # lookup's acceptance by position as counted, for the last decision
-        # The extra tokens (beyond the one every step gives) this answer's lookup steps gave, and what the
-        # counts predicted for them.
-        self.lookup_real_extra = Ewma(LOOKUP_CALIBRATION_ALPHA)
-        self.lookup_predicted_extra = Ewma(LOOKUP_CALIBRATION_ALPHA)
+        self.lookup_calibration = Calibration()
         self._why_text, self._why_option, self._why_step = "", "", 0
 
     # -- prefill -------------------------------------------------------------
@@ -400,7 +408,7 @@ class _Generation:
                                   for i in range(len(lookup[:room]))]
             # Scaling the first position's chance scales every length's expected extra tokens alike.
             accept = list(self.lookup_accept)
-            accept[0] = min(accept[0] * lookup_calibration(self.lookup_real_extra, self.lookup_predicted_extra), 0.99)
+            accept[0] = min(accept[0] * self.lookup_calibration.factor(), 0.99)
             k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row)
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(LOOKUP, accept[0], t_plain, row))
@@ -569,8 +577,8 @@ class _Generation:
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice, [(min(match, 4), i)
                                                                                 for i in range(choice.length)])
-            self.lookup_real_extra.add(len(run.output) - before - 1)
-            self.lookup_predicted_extra.add(expected_chain_tokens(self.lookup_accept, choice.length) - 1)
+            self.lookup_calibration.add(len(run.output) - before - 1,
+                                        expected_chain_tokens(self.lookup_accept, choice.length) - 1)
         else:
             yield from self._chain([], None, PLAIN, choice, [])
         seconds = time.perf_counter() - t0
