@@ -238,13 +238,19 @@ class Choice:
         return self.tokens - rate * self.seconds
 
 
-def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
-    """Expected output of verifying the first k proposals: 1 + the sum of the running products of `accept`."""
+def running_expected_tokens(accept: Sequence[float]) -> Iterator[float]:
+    """Expected output of verifying the first 1, 2, ... proposals: 1 + the sum of the running products of
+    `accept`, where `accept[i]` is the chance the (i+1)-th is accepted given the ones before."""
     expected, reach = 1.0, 1.0
-    for a in accept[:k]:
+    for a in accept:
         reach *= a
         expected += reach
-    return expected
+        yield expected
+
+
+def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
+    """Expected output of verifying the first k proposals (1.0 for none)."""
+    return [1.0, *running_expected_tokens(accept[:k])][-1]
 
 
 @dataclass
@@ -274,15 +280,11 @@ def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curv
                       per_row: float, per_token: float = 0.0) -> tuple[int, float, float]:
     """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
 
-    `accept[i]`: chance the (i+1)-th proposal is accepted given the ones before
-    (so 1 + the sum of the running products is the expected output); verifying
-    k proposals costs t_plain * T(k+1)/T(1) + k * (per_row + per_token).
+    `accept` as for `running_expected_tokens`; verifying k proposals costs
+    t_plain * T(k+1)/T(1) + k * (per_row + per_token).
     """
     best = (0, 1.0, t_plain)
-    expected, reach = 1.0, 1.0
-    for i, a in enumerate(accept, start=1):
-        reach *= a
-        expected += reach
+    for i, expected in enumerate(running_expected_tokens(accept), start=1):
         seconds = t_plain * curve(i + 1) + i * (per_row + per_token)
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (i, expected, seconds)
