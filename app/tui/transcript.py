@@ -7,21 +7,25 @@ struck through, the target's correction blue, the target's own tokens in the
 default colour; app.render.token_style, shared with the CLI); off, the
 output text is rendered as Markdown.
 
-The Markdown view is Textual's `Markdown` widget fed through a
-`MarkdownStream`: each streamed batch appends only its new text, and the
-widget re-parses only from its last top-level block, so an answer costs
-about linear time to show. Re-rendering the whole answer as one Markdown
-document on every batch (as a `Static` must) costs time quadratic in the
-answer's length, and on a 2-core machine that time is taken from
-generation. Even so each append re-lays out and repaints the blocks on
-screen, so the chat screen streams tokens to a Markdown answer only once a
-second (app.tui.streaming.MARKDOWN_INTERVAL); each batch that arrives is
-shown at once. Each view is kept up to date only while it is shown: the
+The Markdown view is Textual's `Markdown` widget fed by `Markdown.append`:
+each streamed batch appends only its new text, and the widget re-parses
+only from its last top-level block, so an answer costs about linear time to
+show. Re-rendering the whole answer as one Markdown document on every batch
+(as a `Static` must) costs time quadratic in the answer's length, and on a
+2-core machine that time is taken from generation. Even so each append
+re-lays out and repaints the blocks on screen, so the chat screen streams
+tokens to a Markdown answer only once a second
+(app.tui.streaming.MARKDOWN_INTERVAL); each batch that arrives is shown at
+once. Textual's `MarkdownStream` wraps the same append in a task of its own,
+to coalesce fragments that arrive faster than they render; at one batch a
+second there is nothing to coalesce, and the task's hop cost a frame of its
+own per batch. Each view is kept up to date only while it is shown: the
 Markdown widget catches up with one append when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has
-scrolled up to read; it decides when the content's height changes, since a
-Markdown answer grows only once its stream's append has run.
+scrolled up to read: it is anchored (Textual's `Widget.anchor`), so the
+scroll to the end happens in the same layout pass as the growth, not in a
+frame of its own after it.
 """
 
 from __future__ import annotations
@@ -32,16 +36,13 @@ from rich._wrap import divide_line
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.geometry import Size
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 from app.render import TRUECOLOR, token_style
 from backends.events import REJECTED, Token
 
 PLACEHOLDER = "…"  # shown until the first token arrives
-FOLLOW_SLACK = 2  # lines from the end within which the transcript still follows new content
 
 
 class UserMessage(Static):
@@ -162,7 +163,6 @@ class AnswerView(Widget):
         self.tokens: list[Token] = []
         self._output: list[str] = []  # the output text in pieces: accepted and target tokens, then the tail
         self._sent = 0  # pieces of _output already written to the Markdown widget
-        self._stream: MarkdownStream | None = None
         self.spec = ColouredText()
         self.markdown = Markdown()
 
@@ -172,10 +172,6 @@ class AnswerView(Widget):
 
     def on_mount(self) -> None:
         self._show()
-
-    async def on_unmount(self) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
 
     @property
     def output_text(self) -> str:
@@ -223,27 +219,18 @@ class AnswerView(Widget):
         if not self.showing_markdown or self._sent == len(self._output):
             return
         fragment, self._sent = unsent(self._output, self._sent)
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.markdown)
-        await self._stream.write(fragment)
-
-
-def was_at_end(scroll_y: float, content_height: int, view_height: int, slack: int = FOLLOW_SLACK) -> bool:
-    """Whether a view scrolled to `scroll_y` showed the end of content `content_height` lines tall."""
-    return content_height - view_height - scroll_y <= slack
+        await self.markdown.append(fragment)
 
 
 class Transcript(VerticalScroll):
     """Messages in order; follows the newest one unless the user scrolled up to read.
 
-    Following is decided when the content grows (a message mounted, an answer's text
-    laid out), against the height before the growth: a Markdown answer grows when its
-    stream's append has run, after the batch of tokens that caused it.
+    Anchored: Textual keeps it scrolled to the end whenever it lays it out, until the user
+    scrolls away (which releases the anchor), and again once they scroll back to the end.
     """
 
-    def watch_virtual_size(self, old: Size, new: Size) -> None:
-        if new.height > old.height and was_at_end(self.scroll_y, old.height, self.scrollable_content_region.height):
-            self.scroll_end(animate=False)
+    def on_mount(self) -> None:
+        self.anchor()
 
     def add(self, widget: Widget) -> Widget:
         self.mount(widget)
