@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from textual.widgets import Markdown, Static
 from app.cli import main
 from app.render import TRUECOLOR
 from app.settings import Settings, load_settings
-from app.tui.streaming import MARKDOWN_INTERVAL, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.streaming import Pacer, PromptDecoded, TokensArrived, TurnFinished, stream_events
 from app.tui.transcript import AnswerView, ColouredText, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, GenStats, Prefilled, StepEnd, Token
@@ -285,10 +287,10 @@ def test_streamed_markdown_equals_the_whole_document(batch) -> None:
     asyncio.run(scenario())
 
 
-def test_the_stream_posts_at_the_interval_the_view_asks_for_and_the_end_at_once() -> None:
+def test_the_stream_posts_at_the_interval_it_is_given_and_the_end_at_once() -> None:
     """Tokens reach the UI in batches at least `interval()` seconds apart, always at a step boundary; the
-    interval is asked for at every step (the Markdown view asks for a longer one than the speculation view,
-    and the user can switch mid-answer); the tokens left at the end come with the `Done`."""
+    interval is asked for at every step (the pacer lengthens it mid-answer as batches get dearer to show);
+    the tokens left at the end come with the `Done`."""
     now = [0.0]
     interval = [0.25]
     events: list = [Prefilled(n_tokens=3, n_cached=0, seconds=0.0)]
@@ -305,7 +307,7 @@ def test_the_stream_posts_at_the_interval_the_view_asks_for_and_the_end_at_once(
             if isinstance(ev, StepEnd):
                 now[0] += 0.1
                 if now[0] > 1.95:
-                    interval[0] = MARKDOWN_INTERVAL  # the user switched to the Markdown view
+                    interval[0] = 1.0  # showing a batch got dearer
             yield ev
         yield done
 
@@ -318,10 +320,45 @@ def test_the_stream_posts_at_the_interval_the_view_asks_for_and_the_end_at_once(
     early = [g for t, g in zip(times[1:], gaps) if t <= 1.95]
     late = [g for t, g in zip(times[1:], gaps) if t > 2.05]
     assert early and all(0.25 <= g <= 0.3 + 1e-9 for g in early), gaps
-    assert late and all(MARKDOWN_INTERVAL <= g <= MARKDOWN_INTERVAL + 0.1 + 1e-9 for g in late[:-1]), gaps
+    assert late and all(1.0 <= g <= 1.1 + 1e-9 for g in late[:-1]), gaps
     streamed = [tok for _, m in batches for tok in m.tokens]
     assert streamed == [ev for ev in events if isinstance(ev, Token)]  # every token once, in order
     assert batches[-1][1].live.generated == 80
+
+
+def test_the_pacer_spaces_batches_by_what_the_ui_thread_spent_on_the_last_one() -> None:
+    """At 2% of a core: a batch that cost 5 ms keeps the shortest interval, 40 ms asks for 2 s, a second
+    for the longest; each answer starts at the shortest. It times the UI thread's own CPU, not the
+    generation's: a busy other thread does not lengthen the interval, the same work in this thread does."""
+    cpu = [10.0]
+    pacer = Pacer(budget=0.02, lo=0.25, hi=3.0, cpu_clock=lambda: cpu[0])
+    pacer.started()
+    seen = []
+    for cost in (0.005, 0.04, 1.0, 0.01):
+        cpu[0] += cost
+        pacer.arrived()
+        seen.append(pacer())
+    assert seen == pytest.approx([0.25, 2.0, 3.0, 0.5])
+    pacer.started()
+    assert pacer() == 0.25
+    with pytest.raises(ValueError):
+        Pacer(budget=0)
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    real = Pacer(budget=0.02, lo=0.25, hi=3.0)
+    real.started()
+    other = threading.Thread(target=burn, args=(0.2,))
+    other.start()
+    other.join()
+    real.arrived()
+    assert real() == 0.25
+    burn(0.05)
+    real.arrived()
+    assert real() >= 2.5
 
 
 def char_styles(*texts) -> list[tuple[str, str]]:

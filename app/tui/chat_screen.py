@@ -31,8 +31,7 @@ from app.tui.history_screen import HistoryScreen
 from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
 from app.tui.stats_bar import StatsBar, turn_label
-from app.tui.streaming import (MARKDOWN_INTERVAL, POST_INTERVAL, LiveStats, PromptDecoded, TokensArrived,
-                               TurnFinished, stream_events)
+from app.tui.streaming import LiveStats, Pacer, PromptDecoded, TokensArrived, TurnFinished, stream_events
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
 from backends.engine import Engine
@@ -100,6 +99,7 @@ class ChatScreen(Screen):
         self.conversation_id = new_conversation_id()
         self._engine_lock = threading.Lock()
         self._cancel = threading.Event()
+        self._pacer = Pacer()  # the interval between token batches, from what showing them costs
         self._answer: AnswerView | None = None
         self._plain_speeds: list[float] = []
         self.last_done: Done | None = None  # the last turn's end, with its stats
@@ -232,13 +232,9 @@ class ChatScreen(Screen):
         with self._engine_lock:
             try:
                 stream_events(request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message,
-                              self._post_interval)
+                              self._pacer)
             except Exception as e:  # a prompt that does not fit, a template error, a bad setting
                 self.post_message(TurnFailed(describe(e)))
-
-    def _post_interval(self) -> float:
-        """Seconds between token batches, asked by the stream at every step: the view can change mid-answer."""
-        return POST_INTERVAL if self.settings.speculation_view else MARKDOWN_INTERVAL
 
     def watch_generating(self, generating: bool) -> None:
         # Each blink of the cursor is a frame of its own, and while an answer streams every frame is CPU time
@@ -248,8 +244,10 @@ class ChatScreen(Screen):
     def on_prompt_decoded(self, message: PromptDecoded) -> None:
         p = message.prefilled
         self.stats.show(state=f"answering · prompt {p.n_tokens} tokens, {p.n_cached} cached")
+        self._pacer.started()
 
     def on_tokens_arrived(self, message: TokensArrived) -> None:
+        self._pacer.arrived()
         if self._answer is not None:
             self._answer.add_tokens(message.tokens)
         self.stats.show(live=message.live)

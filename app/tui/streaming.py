@@ -3,16 +3,23 @@
 A step of speculation can release a burst of tokens in microseconds; posting
 one message per token would flood the UI's queue and steal CPU from
 generation. Tokens are collected and posted at most every `interval` seconds,
-always at a step boundary, plus once at the end. Every UI update costs CPU
-that llama.cpp's threads wait for (on a 2-core laptop each frame preempts a
-compute thread): measured with tests/perf/tui_overhead.py on the demo pair,
-updates every 1/30 s cost 7.7% of generation speed, every 0.1 s 5.7%, every
-0.25 s 4.2%; 0.25 s still streams a few tokens at a time. The interval is asked
-for at every step, so the UI can change it mid-answer: the Markdown view posts
-once a second (MARKDOWN_INTERVAL), since each Markdown update re-lays out the
-blocks on screen. Live stats come from the same stream (StepEnd carries
-drafted/accepted per target forward), so the bar moves while the answer
-streams, in the same frame as the text; the final figures are `Done.stats`.
+always at a step boundary, plus once at the end. Live stats come from the same
+stream (StepEnd carries drafted/accepted per target forward), so the bar moves
+while the answer streams, in the same frame as the text; the final figures are
+`Done.stats`.
+
+Every UI update costs CPU that llama.cpp's threads wait for: on a 2-core
+laptop each frame preempts a compute thread, and generation loses about twice
+the UI thread's share of a core (tests/perf/tui_overhead.py: UI at 4.2% of a
+core cost 9% of the tokens/s, at 2.3% 4%). What a batch costs the UI grows as
+an answer does: a Markdown batch late in a 1,000-token answer re-lays out the
+answer's blocks and, once the transcript scrolls, repaints the whole screen
+(30-45 ms), where the first batches cost 5 ms. So no fixed interval fits both:
+`Pacer` measures the UI thread's CPU per batch and sets the next interval so
+that showing the answer takes at most UI_BUDGET of a core, between
+MIN_INTERVAL (a few tokens at a time while batches are cheap) and
+MAX_INTERVAL. The interval is asked for at every step, so the UI can change it
+mid-answer.
 """
 
 from __future__ import annotations
@@ -25,12 +32,47 @@ from textual.message import Message
 
 from backends.events import REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
 
-POST_INTERVAL = 0.25  # seconds between UI updates while streaming
-# Seconds between UI updates while the answer streams into the Markdown view. Each update re-lays out and repaints
-# the Markdown blocks on screen, about three times what the speculation view's update costs; on a 2-core machine
-# that time is taken from generation (at 0.25 s it cost 12% of the tokens/s on a 1,000-token answer,
-# tests/perf/tui_overhead.py --view markdown).
-MARKDOWN_INTERVAL = 1.0
+UI_BUDGET = 0.02  # the share of one core the UI may spend showing a streaming answer
+MIN_INTERVAL = 0.25  # seconds between UI updates while they are cheap
+MAX_INTERVAL = 3.0  # seconds between UI updates however much they cost
+
+
+def paced_interval(ui_seconds: float, budget: float = UI_BUDGET, lo: float = MIN_INTERVAL,
+                   hi: float = MAX_INTERVAL) -> float:
+    """Seconds until the next batch, so that a batch costing the UI `ui_seconds` of CPU keeps it at `budget`."""
+    if ui_seconds < 0 or not 0 < budget <= 1 or not 0 < lo <= hi:
+        raise ValueError(f"bad pacing: {ui_seconds=}, {budget=}, {lo=}, {hi=}")
+    return min(hi, max(lo, ui_seconds / budget))
+
+
+class Pacer:
+    """The interval between batches, from what the last one cost the UI thread.
+
+    `started` and `arrived` run in the UI thread: the CPU time it spent between two arrivals is what
+    showing the earlier batch cost (the handler and the frames it caused, plus the idle event loop's
+    own small share). `interval` is read by the generation thread at every step.
+    """
+
+    def __init__(self, budget: float = UI_BUDGET, lo: float = MIN_INTERVAL, hi: float = MAX_INTERVAL,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        self.budget, self.lo, self.hi = budget, lo, hi
+        self.interval = paced_interval(0.0, budget, lo, hi)  # validates them
+        self._cpu_clock = cpu_clock
+        self._last: float | None = None
+
+    def started(self) -> None:
+        """A new answer begins streaming: its first batches come at the shortest interval."""
+        self.interval, self._last = self.lo, self._cpu_clock()
+
+    def arrived(self) -> None:
+        """A batch arrived (call before showing it)."""
+        now = self._cpu_clock()
+        if self._last is not None:
+            self.interval = paced_interval(now - self._last, self.budget, self.lo, self.hi)
+        self._last = now
+
+    def __call__(self) -> float:
+        return self.interval
 
 
 @dataclass(frozen=True)
@@ -92,7 +134,7 @@ def stream_events(
     strategy: str,
     events: Iterable[Event],
     post: Callable[[Message], object],
-    interval: Callable[[], float] = lambda: POST_INTERVAL,
+    interval: Callable[[], float] = lambda: MIN_INTERVAL,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Done | None:
     """Post the stream as coalesced messages, at least `interval()` seconds apart; returns the `Done` event."""

@@ -13,13 +13,12 @@ only from its last top-level block, so an answer costs about linear time to
 show. Re-rendering the whole answer as one Markdown document on every batch
 (as a `Static` must) costs time quadratic in the answer's length, and on a
 2-core machine that time is taken from generation. Even so each append
-re-lays out and repaints the blocks on screen, so the chat screen streams
-tokens to a Markdown answer only once a second
-(app.tui.streaming.MARKDOWN_INTERVAL); each batch that arrives is shown at
-once. Textual's `MarkdownStream` wraps the same append in a task of its own,
-to coalesce fragments that arrive faster than they render; at one batch a
-second there is nothing to coalesce, and the task's hop cost a frame of its
-own per batch. Each view is kept up to date only while it is shown: the
+re-lays out and repaints the blocks on screen, so batches come as far apart
+as their measured cost needs (app.tui.streaming.Pacer), and each batch that
+arrives is shown at once. Textual's `MarkdownStream` wraps the same append
+in a task of its own, to coalesce fragments that arrive faster than they
+render; batches arrive a quarter of a second or more apart, there is nothing
+to coalesce, and the task's hop cost a frame of its own per batch. Each view is kept up to date only while it is shown: the
 Markdown widget catches up with one append when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has

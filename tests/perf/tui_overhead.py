@@ -2,10 +2,11 @@
 
 Drives the real app in a real terminal (tmux: send-keys / capture-pane) on the
 demo pair, interleaving app turns with headless `specchat run` on the same
-prompt and settings, and reports medians. Not a test (timings are never
+prompt and settings (in alternating order), and reports medians. Not a test (timings are never
 asserted); run it on a quiet machine. Besides the tokens/s ratio, which a
 busy machine blurs by several percent, it reports the CPU share of the app's
-UI thread while it answers: the time the UI takes from llama.cpp's threads.
+UI thread while it answers, and of the terminal (the tmux server) drawing
+what the app writes: the time both take from llama.cpp's threads.
 
     python tests/perf/tui_overhead.py --repeats 5
     python tests/perf/tui_overhead.py --view markdown -n 1000 --temp 0 --repeats 2 --idle-seconds 0
@@ -48,13 +49,13 @@ def coloured_screen() -> str:
     return tmux("capture-pane", "-t", SESSION, "-p", "-e")
 
 
-def wait_for(pattern: str, timeout: float = 300) -> str:
+def wait_for(pattern: str, timeout: float = 300, poll: float = 0.2) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = screen()
         if re.search(pattern, text):
             return text
-        time.sleep(0.2)
+        time.sleep(poll)
     raise TimeoutError(f"{pattern!r} did not appear:\n{screen()}")
 
 
@@ -85,6 +86,10 @@ def run_cli(flags: list[str]) -> tuple[float, int]:
                           *flags], capture_output=True, text=True, check=True).stdout
     stats = json.loads(out.strip().splitlines()[-1])["stats"]
     return stats["tokens_per_second"], stats["generated_tokens"]
+
+
+def tmux_server_pid() -> int:
+    return int(tmux("display-message", "-p", "#{pid}").strip())
 
 
 def main() -> None:
@@ -118,27 +123,41 @@ def main() -> None:
         if args.view == "markdown":
             tmux("send-keys", "-t", SESSION, "F3")  # speculation view off: a setting of this fresh config dir
         print(f"flags: {' '.join(flags)}; app view: {args.view}")
-        cli_rates, app_rates, ui_shares = [], [], []
-        for i in range(args.repeats):
-            cli_rate, generated = run_cli(flags)
-            cli_rates.append(cli_rate)
+        cli_rates, app_rates, ui_shares, term_shares = [], [], [], []
+        server = tmux_server_pid()
+        def app_turn() -> None:
             tmux("send-keys", "-t", SESSION, "C-n")  # new chat: every turn answers the same prompt
             wait_for(r"·  new chat")
-            ui_before, started = ui_thread_seconds(pid), time.monotonic()
+            ui_before, term_before, started = ui_thread_seconds(pid), cpu_seconds(server), time.monotonic()
             tmux("send-keys", "-t", SESSION, "-l", PROMPT)
             tmux("send-keys", "-t", SESSION, "Enter")
-            text = wait_for(r"done: (length|eos|stop)", timeout=900)
-            ui_shares.append((ui_thread_seconds(pid) - ui_before) / (time.monotonic() - started))
+            # Each look at the pane is a tmux client process and a capture by the server: CPU taken from
+            # the app's generation that `specchat run` does not pay, so look seldom while it answers.
+            text = wait_for(r"done: (length|eos|stop)", timeout=900, poll=2.0)
+            elapsed = time.monotonic() - started
+            ui_shares.append((ui_thread_seconds(pid) - ui_before) / elapsed)
+            term_shares.append((cpu_seconds(server) - term_before) / elapsed)
             app_rates.append(float(TOKS.search(text).group(1)))
             shown = "speculation" if GREEN in coloured_screen() else "markdown"
             if shown != args.view:
                 raise RuntimeError(f"the app showed the answer in the {shown} view, not the {args.view} view")
+
+        for i in range(args.repeats):
+            if i % 2:  # the order alternates, so that a drift in the machine's speed does not favour one side
+                app_turn()
+                cli_rate, generated = run_cli(flags)
+            else:
+                cli_rate, generated = run_cli(flags)
+                app_turn()
+            cli_rates.append(cli_rate)
             print(f"repeat {i + 1}: specchat run {cli_rates[-1]:.2f} tok/s ({generated} tokens), "
-                  f"app {app_rates[-1]:.2f} tok/s; UI thread {100 * ui_shares[-1]:.1f}% of one core")
+                  f"app {app_rates[-1]:.2f} tok/s; UI thread {100 * ui_shares[-1]:.1f}% of one core, "
+                  f"terminal (tmux) {100 * term_shares[-1]:.1f}%")
         ratio = statistics.median(a / c for a, c in zip(app_rates, cli_rates))
         print(f"median: specchat run {statistics.median(cli_rates):.2f} tok/s, app {statistics.median(app_rates):.2f} "
               f"tok/s; app / run = {ratio:.3f} (median of per-repeat ratios); UI thread "
-              f"{100 * statistics.median(ui_shares):.1f}% of one core while answering")
+              f"{100 * statistics.median(ui_shares):.1f}% of one core while answering, the terminal (tmux) "
+              f"{100 * statistics.median(term_shares):.1f}%")
     finally:
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
 
