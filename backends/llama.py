@@ -28,11 +28,15 @@ client aborts the process when a server cannot be reached or dies
 (`GGML_ABORT` in `ggml/src/ggml-rpc/ggml-rpc.cpp`), so every endpoint is
 checked first with a plain TCP connection and the protocol's HELLO (short
 timeouts), and an abort during a run becomes one error line and exit code 2
-(`ggml_set_abort_callback`).
+(`ggml_set_abort_callback`). ggml's client also waits forever on a server
+that stops answering without closing the connection; its sockets get a
+receive and send timeout (`set_rpc_timeouts`), which turns that into the same
+abort.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -41,7 +45,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -160,7 +164,8 @@ class LlamaModel:
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
             self.devices = tuple(_ggml().dev_name(d) for d in devices)
-        ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        with _rpc_timeouts_meanwhile(self.rpc):  # the weights go to the servers during the load
+            ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
             where = f" with its layers on the RPC server{'s' if len(self.rpc) > 1 else ''} {', '.join(self.rpc)}" \
                 if self.rpc else ""
@@ -168,6 +173,8 @@ class LlamaModel:
                 else " (run with --debug for its log)"
             raise ModelError(f"{self.path}: llama.cpp could not load this model{where}{hint}")
         self._ptr = ptr
+        if self.rpc:
+            set_rpc_timeouts(self.rpc)
         self._vocab = llama_cpp.llama_model_get_vocab(ptr)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.bos: int = llama_cpp.llama_vocab_bos(self._vocab)
@@ -311,6 +318,8 @@ class LlamaContext:
         if not ptr:
             raise ModelError(f"{model.path}: llama.cpp could not create a context of {config.n_ctx} tokens")
         self._ptr = ptr
+        if model.rpc:
+            set_rpc_timeouts(model.rpc)
         self._mem = llama_cpp.llama_get_memory(ptr)
         self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
         # llama.cpp lowers n_batch to n_ctx when the context is smaller; a bigger batch would abort.
@@ -412,6 +421,12 @@ _RPC_HELLO_RSP_SIZE = 4 + _RPC_CONN_CAPS_SIZE
 RPC_CHECK_TIMEOUT = 5.0
 # Exit code when ggml aborts during a run (app.errors.EXIT_RUNTIME: a failure at run time).
 RPC_LOST_EXIT_CODE = 2
+# Seconds one read or write on an RPC connection may wait before the server is given up as lost: a server
+# that stops answering without closing the connection (a frozen machine, a suspended process, a cable
+# pulled) would otherwise keep ggml's client waiting forever. One wait covers one request, at most one target
+# forward pass on the server, so it is far longer than any forward a usable server takes.
+# SPECCHAT_RPC_TIMEOUT sets it.
+RPC_TIMEOUT = 120.0
 
 # enum ggml_backend_dev_type (ggml-backend.h)
 _DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL = 0, 1, 2, 3
@@ -601,6 +616,7 @@ def _local_offload_devices(api: _Ggml) -> list[int]:
 
 
 _rpc_endpoints_in_use: list[str] = []
+_rpc_timeout_in_use = RPC_TIMEOUT
 _abort_lock = threading.Lock()
 _before_fatal_exit: list[Callable[[], None]] = []
 
@@ -624,7 +640,8 @@ def _on_ggml_abort(message: bytes | None) -> None:
     detail = " ".join(detail.split())
     servers = ", ".join(_rpc_endpoints_in_use)
     if "RPC" in detail or "connect" in detail:
-        line = f"lost the RPC server {servers} ({detail})"
+        line = (f"lost the RPC server {servers}: it closed the connection or did not answer within "
+                f"{_rpc_timeout_in_use:g} s ({detail})")
     else:
         line = f"llama.cpp stopped: {detail}"
     for hook in _before_fatal_exit:
@@ -638,6 +655,97 @@ def _on_ggml_abort(message: bytes | None) -> None:
         pass
     os.write(2, f"specchat: error: {line}\n".encode("utf-8", errors="replace"))
     os._exit(RPC_LOST_EXIT_CODE)
+
+
+def rpc_timeout() -> float:
+    """RPC_TIMEOUT, or SPECCHAT_RPC_TIMEOUT's seconds (ModelError when that is not a positive number)."""
+    text = os.environ.get("SPECCHAT_RPC_TIMEOUT", "").strip()
+    if not text:
+        return RPC_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < 1e6:
+        raise ModelError(f"SPECCHAT_RPC_TIMEOUT={text!r}: expected a number of seconds above 0")
+    return seconds
+
+
+def _endpoint_addresses(endpoints: Sequence[str]) -> set[tuple[str, int]]:
+    addresses = set()
+    for endpoint in endpoints:
+        host, port = parse_rpc_endpoint(endpoint)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        addresses.update((info[4][0], port) for info in infos)
+    return addresses
+
+
+def set_rpc_timeouts(endpoints: Sequence[str], seconds: float | None = None) -> int:
+    """Give this process's open connections to `endpoints` a receive and send timeout; how many it found.
+
+    ggml's RPC client blocks in recv() with no timeout. With SO_RCVTIMEO a
+    server that stops answering makes that recv() fail after `seconds`, which
+    ggml treats as a lost server: it aborts, and the abort callback turns that
+    into one line and exit code 2, as for a server that closed the connection.
+    ggml keeps no socket handle anyone else can reach, so the sockets are found
+    among the process's file descriptors by their peer address; they are set
+    on a duplicate descriptor, which shares the socket. Called every 0.2 s
+    while a model loads (`_rpc_timeouts_meanwhile`), then after it and after
+    each context is made: where ggml opens the connections it keeps.
+    """
+    global _rpc_timeout_in_use
+    seconds = rpc_timeout() if seconds is None else seconds
+    _rpc_timeout_in_use = seconds
+    peers = _endpoint_addresses(endpoints)
+    timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    found = 0
+    for name in os.listdir(fd_dir):
+        try:
+            dup = os.dup(int(name))
+        except (ValueError, OSError):
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # not a socket
+            os.close(dup)
+            continue
+        with sock:
+            try:
+                peer = sock.getpeername()
+            except OSError:  # not connected, or not an internet socket
+                continue
+            if isinstance(peer, tuple) and (peer[0], peer[1]) in peers:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                found += 1
+    return found
+
+
+@contextlib.contextmanager
+def _rpc_timeouts_meanwhile(endpoints: Sequence[str], every: float = 0.2) -> Iterator[None]:
+    """While the block runs (a model load, which opens its connections and sends the weights inside
+    llama.cpp), put the timeouts on new connections to `endpoints` every `every` seconds."""
+    if not endpoints:
+        yield
+        return
+    seconds = rpc_timeout()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(every):
+            set_rpc_timeouts(endpoints, seconds)
+
+    watcher = threading.Thread(target=watch, name="rpc-timeouts", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _rpc_model_devices(endpoints: Sequence[str]) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama import RPC_REBUILD_COMMAND, rpc_supported
+from backends.llama import RPC_REBUILD_COMMAND, rpc_supported, rpc_timeout, set_rpc_timeouts
+from models.errors import ModelError
 
 needs_rpc = pytest.mark.skipif(not rpc_supported(), reason=f"this llama-cpp-python has no RPC: {RPC_REBUILD_COMMAND}")
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,20 +112,27 @@ def test_the_draft_runs_locally_while_the_target_is_remote(tiny, rpc_server) -> 
 
 
 @needs_rpc
-def test_killing_the_server_mid_generation_is_one_line_and_exit_2(tiny, tmp_path) -> None:
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_server_lost_mid_generation_is_one_line_and_exit_2(tiny, tmp_path, how) -> None:
+    """Killed: the connection closes. Frozen (SIGSTOP: a hung machine, a pulled cable): the connection stays
+    open and nothing answers; the client gives up after SPECCHAT_RPC_TIMEOUT seconds instead of waiting forever."""
     server = RpcServer(tmp_path / "server.log")
     proc = None
+    env = dict(os.environ, SPECCHAT_RPC_TIMEOUT="3")
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "app", "run", PROMPT, "-m", str(tiny.target), "-md", str(tiny.draft), "-s", "sps",
              "--temp", "0", "--json", "-t", "1", "-n", "3000", "-c", "4096", "--rpc", server.endpoint],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         tokens = 0
         while tokens < 3:
             line = proc.stdout.readline()
             assert line, f"the run ended before its first tokens: {proc.stderr.read()}"
             tokens += '"type": "token"' in line
-        server.stop()
+        if how == "killed":
+            server.stop()
+        else:
+            server.proc.send_signal(signal.SIGSTOP)
         out, err = proc.communicate(timeout=60)
     finally:
         server.stop()
@@ -132,7 +141,35 @@ def test_killing_the_server_mid_generation_is_one_line_and_exit_2(tiny, tmp_path
     assert proc.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specchat: error: lost the RPC server"), err
-    assert server.endpoint in lines[0]
+    assert server.endpoint in lines[0] and "did not answer within 3 s" in lines[0]
+
+
+def test_rpc_timeouts_go_on_the_connections_to_the_endpoints_only() -> None:
+    """Real sockets: the client's connection to the endpoint gets both timeouts; the listening socket, the
+    server's side and a connection elsewhere keep none."""
+    def timeout_of(sock: socket.socket, option: int) -> float:
+        sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("ll")))
+        return sec + usec / 1e6
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_server(("127.0.0.1", 0)) as other:
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        elsewhere = socket.create_connection(other.getsockname())
+        served, _ = listener.accept()
+        with client, elsewhere, served:
+            assert set_rpc_timeouts([f"127.0.0.1:{port}"], 2.5) == 1
+            assert timeout_of(client, socket.SO_RCVTIMEO) == timeout_of(client, socket.SO_SNDTIMEO) == 2.5
+            for sock in (listener, served, elsewhere):
+                assert timeout_of(sock, socket.SO_RCVTIMEO) == 0.0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_a_bad_rpc_timeout_is_one_clear_error(monkeypatch, value) -> None:
+    monkeypatch.setenv("SPECCHAT_RPC_TIMEOUT", value)
+    with pytest.raises(ModelError, match="SPECCHAT_RPC_TIMEOUT"):
+        rpc_timeout()
+    monkeypatch.setenv("SPECCHAT_RPC_TIMEOUT", "7.5")
+    assert rpc_timeout() == 7.5
 
 
 @needs_rpc
