@@ -21,8 +21,10 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (MIN_EXPLORE_INTERVAL, Acceptance, AutoState, Calibration, best_chain_length,
-                                      confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance)
+from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, Acceptance, AutoState,
+                                      Calibration, best_chain_length, confidence_bin, expected_chain_tokens,
+                                      explore_interval, lookup_acceptance, lookup_key)
+from backends.strategies.lookup import NgramIndex
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
@@ -80,6 +82,19 @@ def test_acceptance_estimates_follow_the_evidence() -> None:
         a.update("x", False)
     assert a.p("x") < 0.1, "old evidence decays"
     assert confidence_bin(0.0) == 0 and confidence_bin(0.55) == 5 and confidence_bin(1.0) == 9
+
+
+def test_lookup_matches_are_followed_back_past_the_ngram_and_learnt_in_bins() -> None:
+    """A suffix copied from a longer passage matches as far back as the copy goes (up to `extend`), so
+    copying and quoting a phrase are learnt apart; the bins and positions clip as documented."""
+    index = NgramIndex(1, 3)
+    tokens = [7, 1, 2, 3, 4, 5, 9, 8, 1, 2, 3, 4, 5]
+    assert index.propose_with_match(tokens, 2) == ([9, 8], 3)
+    assert index.propose_with_match(tokens, 2, extend=1) == ([9, 8], 4)
+    assert index.propose_with_match(tokens, 2, extend=16) == ([9, 8], 5), "stops where the texts differ (7 vs 8)"
+    assert NgramIndex(1, 3).propose_with_match([1, 2, 3, 1, 2, 3], 2, extend=16) == ([1, 2], 3), "stops at the start"
+    assert lookup_key(0, 0) == (1, 0) and lookup_key(3, 1) == (3, 1) and lookup_key(5, 7) == (4, LOOKUP_POSITIONS)
+    assert lookup_key(12, 2) == (10, 2) and lookup_key(MATCH_EXTEND + 3, 0) == (16, 0)
 
 
 def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> None:

@@ -21,8 +21,10 @@ switch-off at low acceptance is its special case. The inputs:
     proposer and kept across the turns of a conversation (the engine holds
     the state): for the draft by its confidence (its probability of the token
     it proposes; EAGLE-2 shows it tracks acceptance) and by position, for
-    lookup by n-gram match length and position, for lookahead its tokens per
-    step. Beta-Bernoulli counts with a prior, decayed so they follow the text.
+    lookup by match length and position, for lookahead its tokens per step.
+    Lookup's match is followed back past the n-gram that found it (up to
+    MATCH_EXTEND tokens), which tells copying a passage (long matches) from
+    quoting a phrase (short ones). Beta-Bernoulli counts with a prior, decayed so they follow the text.
     Lookup's counts pool text that copies (a rewrite, code) with text that
     does not (an answer that quotes a passage now and then), so the tokens
     its steps really give beyond the first are also compared with what the
@@ -95,6 +97,11 @@ EARLY_INTERVAL = 8
 EARLY_BUDGET_FACTOR = 16
 # Lookup positions past this share one estimate: the first proposals decide whether a lookup starts.
 LOOKUP_POSITIONS = 3
+# Lookup's match length is counted up to this many tokens past the n-gram, and learnt in these bins: a
+# rewrite that copies its source matches 10 or 16 tokens back, an answer quoting a phrase of the question
+# 3 or 4, and their acceptance differs as much (pooled, the copying steps made the quoting ones look good).
+MATCH_EXTEND = 16
+MATCH_BINS = (1, 2, 3, 4, 6, 10, 16)
 # Tokens the draft lags behind the context at the start of a draft step that follows one: the last
 # drafted token (never decoded on the draft) and the target's bonus or correction token.
 CHAIN_LAG = 2
@@ -159,6 +166,11 @@ class Ewma:
 
 def confidence_bin(c: float) -> int:
     return min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+
+def lookup_key(match: int, position: int) -> tuple[int, int]:
+    """The estimate a lookup proposal at `position` (0-based) after a `match`-token match is learnt under."""
+    return max(b for b in MATCH_BINS if b <= max(match, 1)), min(position, LOOKUP_POSITIONS)
 
 
 def lookup_acceptance(first: float = 0.15, longest: float = 0.6) -> Acceptance:
@@ -406,8 +418,7 @@ class _Generation:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
-            self.lookup_accept = [st.lookup.p((min(match, 4), min(i, LOOKUP_POSITIONS)))
-                                  for i in range(len(lookup[:room]))]
+            self.lookup_accept = [st.lookup.p(lookup_key(match, i)) for i in range(len(lookup[:room]))]
             # Scaling the first position's chance scales every length's expected extra tokens alike.
             accept = list(self.lookup_accept)
             accept[0] = min(accept[0] * self.lookup_calibration.factor(), 0.99)
@@ -564,7 +575,8 @@ class _Generation:
         t0 = time.perf_counter()
         lookup, match = ([], 0)
         if self.index is not None:
-            lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1))
+            lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
+                                                          MATCH_EXTEND)
         choice = self.decide(lookup, match)
         self.decide_seconds += time.perf_counter() - t0
         self.explored += choice.explore
@@ -577,8 +589,8 @@ class _Generation:
         elif choice.option == DRAFT:
             yield from self._draft_step(choice)
         elif choice.option == LOOKUP:
-            yield from self._chain(lookup[:choice.length], None, LOOKUP, choice, [(min(match, 4), i)
-                                                                                for i in range(choice.length)])
+            yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
+                                   [lookup_key(match, i) for i in range(choice.length)])
             self.lookup_calibration.add(len(run.output) - before - 1,
                                         expected_chain_tokens(self.lookup_accept, choice.length) - 1)
         else:
@@ -605,7 +617,7 @@ class _Generation:
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted
             if source == LOOKUP:
-                st.lookup.update((keys[i][0], min(keys[i][1], LOOKUP_POSITIONS)), accepted)  # type: ignore[index]
+                st.lookup.update(keys[i], accepted)
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)

@@ -41,8 +41,13 @@ class NgramIndex:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
         return self.propose_with_match(tokens, k)[0]
 
-    def propose_with_match(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
-        """`propose`, and the length n of the suffix that matched (0: no match): longer matches are likelier right."""
+    def propose_with_match(self, tokens: Sequence[int], k: int, extend: int = 0) -> tuple[list[int], int]:
+        """`propose`, and the length of the suffix that matched (0: no match): longer matches are likelier right.
+
+        The length is the n of the n-gram found, then followed back past it, up to `extend` more tokens, for
+        as long as the text before that occurrence equals the text before the suffix: copying a passage
+        gives long matches, a phrase that merely recurs gives short ones.
+        """
         self.update(tokens)
         length = len(tokens)
         if k <= 0:
@@ -54,7 +59,11 @@ class NgramIndex:
             # The last entry is the suffix itself; the one before is the latest earlier occurrence.
             for start in reversed(starts):
                 if start + n < length:
-                    return list(tokens[start + n : start + n + k]), n
+                    match = n
+                    while match < n + extend and start + n - match > 0 \
+                            and tokens[start + n - match - 1] == tokens[length - match - 1]:
+                        match += 1
+                    return list(tokens[start + n : start + n + k]), match
         return [], 0
 
 
