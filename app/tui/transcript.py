@@ -22,9 +22,9 @@ to coalesce, and the task's hop cost a frame of its own per batch. Each view is 
 Markdown widget catches up with one append when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has
-scrolled up to read: it is anchored (Textual's `Widget.anchor`), so the
-scroll to the end happens in the same layout pass as the growth, not in a
-frame of its own after it.
+scrolled up to read: once it overflows it is anchored (Textual's
+`Widget.anchor`), so the scroll to the end happens in the same layout pass
+as the growth, not in a frame of its own after it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from rich._wrap import divide_line
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
+from textual.geometry import Size
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
@@ -224,12 +225,16 @@ class AnswerView(Widget):
 class Transcript(VerticalScroll):
     """Messages in order; follows the newest one unless the user scrolled up to read.
 
-    Anchored: Textual keeps it scrolled to the end whenever it lays it out, until the user
-    scrolls away (which releases the anchor), and again once they scroll back to the end.
+    Anchored once its content overflows: Textual then keeps it scrolled to the end whenever it
+    lays it out, until the user scrolls away (which releases the anchor), and again once they
+    scroll back to the end. Not before: an anchored view shorter than its content region shows
+    the content at the bottom, and a new chat starts at the top.
     """
 
-    def on_mount(self) -> None:
-        self.anchor()
+    def watch_virtual_size(self, old: Size, new: Size) -> None:
+        overflows = new.height > self.scrollable_content_region.height
+        if overflows != self.is_anchored:
+            self.anchor(overflows)
 
     def add(self, widget: Widget) -> Widget:
         self.mount(widget)
