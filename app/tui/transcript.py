@@ -18,8 +18,9 @@ as their measured cost needs (app.tui.streaming.Pacer), and each batch that
 arrives is shown at once. Textual's `MarkdownStream` wraps the same append
 in a task of its own, to coalesce fragments that arrive faster than they
 render; batches arrive a quarter of a second or more apart, there is nothing
-to coalesce, and the task's hop cost a frame of its own per batch. Each view is kept up to date only while it is shown: the
-Markdown widget catches up with one append when the user switches to it.
+to coalesce, and the task's hop cost a frame of its own per batch. Each view
+is kept up to date only while it is shown: the Markdown widget catches up
+with one append when the user switches to it.
 
 The transcript follows its end while content grows, unless the user has
 scrolled up to read: once it overflows it is anchored (Textual's

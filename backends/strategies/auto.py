@@ -24,7 +24,8 @@ switch-off at low acceptance is its special case. The inputs:
     lookup by match length and position, for lookahead its tokens per step.
     Lookup's match is followed back past the n-gram that found it (up to
     MATCH_EXTEND tokens), which tells copying a passage (long matches) from
-    quoting a phrase (short ones). Beta-Bernoulli counts with a prior, decayed so they follow the text.
+    quoting a phrase (short ones). Beta-Bernoulli counts with a prior,
+    decayed so they follow the text.
     Lookup's counts pool text that copies (a rewrite, code) with text that
     does not (an answer that quotes a passage now and then), so the tokens
     its steps really give beyond the first are also compared with what the

@@ -2,8 +2,8 @@
 
 Drives the real app in a real terminal (tmux: send-keys / capture-pane) on the
 demo pair, interleaving app turns with headless `specchat run` on the same
-prompt and settings (in alternating order), and reports medians. Not a test (timings are never
-asserted); run it on a quiet machine. Besides the tokens/s ratio, which a
+prompt and settings (in alternating order), and reports medians. Not a test
+(timings are never asserted); run it on a quiet machine. Besides the tokens/s ratio, which a
 busy machine blurs by several percent, it reports the CPU share of the app's
 UI thread while it answers, and of the terminal (the tmux server) drawing
 what the app writes: the time both take from llama.cpp's threads.
