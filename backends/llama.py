@@ -696,10 +696,13 @@ def set_rpc_timeouts(endpoints: Sequence[str], seconds: float | None = None) -> 
     while a model loads (`_rpc_timeouts_meanwhile`), then after it and after
     each context is made: where ggml opens the connections it keeps.
     """
+    return _set_socket_timeouts(_endpoint_addresses(endpoints), rpc_timeout() if seconds is None else seconds)
+
+
+def _set_socket_timeouts(peers: set[tuple[str, int]], seconds: float) -> int:
+    """`set_rpc_timeouts` on the connections to the resolved addresses `peers`."""
     global _rpc_timeout_in_use
-    seconds = rpc_timeout() if seconds is None else seconds
     _rpc_timeout_in_use = seconds
-    peers = _endpoint_addresses(endpoints)
     timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
     fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
     found = 0
@@ -733,11 +736,12 @@ def _rpc_timeouts_meanwhile(endpoints: Sequence[str], every: float = 0.2) -> Ite
         yield
         return
     seconds = rpc_timeout()
+    peers = _endpoint_addresses(endpoints)  # resolved once, not at every look
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(every):
-            set_rpc_timeouts(endpoints, seconds)
+            _set_socket_timeouts(peers, seconds)
 
     watcher = threading.Thread(target=watch, name="rpc-timeouts", daemon=True)
     watcher.start()

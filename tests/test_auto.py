@@ -117,8 +117,6 @@ def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> 
     assert a.p((3, 2)) < 0.2 and a.p((3, 3)) < 0.2, "evidence at a position overrides the borrowed prior"
 
 
-# -- the cost cache ---------------------------------------------------------------------------------------------------
-
 def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> None:
     """Counts learnt on copying text promise long lookups; in an answer whose lookups keep failing, the
     calibration (extra tokens given / predicted, each with 2 tokens of prior) scales them down until none
@@ -146,6 +144,8 @@ def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> 
     small.add(0.0, 0.5)
     assert small.factor() == pytest.approx(0.8)
 
+
+# -- the cost cache ---------------------------------------------------------------------------------------------------
 
 def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:
     cache = CostCache(tmp_path / "cost.json", max_age=100.0)

@@ -3,10 +3,11 @@
 Drives the real app in a real terminal (tmux: send-keys / capture-pane) on the
 demo pair, interleaving app turns with headless `specchat run` on the same
 prompt and settings (in alternating order), and reports medians. Not a test
-(timings are never asserted); run it on a quiet machine. Besides the tokens/s ratio, which a
-busy machine blurs by several percent, it reports the CPU share of the app's
-UI thread while it answers, and of the terminal (the tmux server) drawing
-what the app writes: the time both take from llama.cpp's threads.
+(timings are never asserted); run it on a quiet machine. Besides the
+tokens/s ratio, which a busy machine blurs by several percent, it reports
+the CPU share of the app's UI thread while it answers, and of the terminal
+(the tmux server) drawing what the app writes: the time both take from
+llama.cpp's threads.
 
     python tests/perf/tui_overhead.py --repeats 5
     python tests/perf/tui_overhead.py --view markdown -n 1000 --temp 0 --repeats 2 --idle-seconds 0
@@ -125,6 +126,7 @@ def main() -> None:
         print(f"flags: {' '.join(flags)}; app view: {args.view}")
         cli_rates, app_rates, ui_shares, term_shares = [], [], [], []
         server = tmux_server_pid()
+
         def app_turn() -> None:
             tmux("send-keys", "-t", SESSION, "C-n")  # new chat: every turn answers the same prompt
             wait_for(r"·  new chat")
