@@ -1,6 +1,7 @@
 """The target over llama.cpp RPC behind a simulated network: does speculation hide the round trip? (not a test)
 
     sudo python tests/perf/rpc_latency.py [--rtt 0,2,10] [--repeats 3] [-n 96] [--threads 1] [--server-threads 1]
+                                          [--prompts story|builtin]
 
 Needs root and iproute2 (`ip`, `tc`). It creates two network namespaces of its
 own, joined by a veth pair (10.213.0.1 client, 10.213.0.2 server; the host's
@@ -13,14 +14,17 @@ with a relay in the server's namespace that forwards each chunk half a round
 trip after it arrived, in order, both ways (the server then listens on the
 namespace's loopback and the relay on 10.213.0.2:50052). It then
 measures `ar`, `sps` and `auto` (when this specchat has it) at each round trip,
-interleaved, greedy, on the Gemma 3 270M demo pair (built on first use). The
+interleaved, greedy, on the Gemma 3 270M demo pair (built on first use), on
+one story prompt or (`--prompts builtin`) on each prompt of the bench's
+builtin set, whose categories differ in how much speculation pays. The
 server keeps the weights it receives (`--cache`), so after the first load
 each run sends only hashes for the big tensors. `auto` measures the device's
 costs once per round trip (an unrecorded warm-up run; each round trip has its
 own cost file) since its choices depend on them.
 
 Reported per round trip: tokens/s (decoding, from the run's stats; median of
-the repeats), the speedup over `ar` (median of the per-repeat ratios),
+the repeats and prompts), the speedup over `ar` (median of the ratios of the
+same repeat and prompt; with `--prompts builtin` also per category),
 acceptance, and bytes on the veth per target forward pass (both directions,
 from the client namespace's /proc/net/dev between the run's `prefilled` and
 `done` events). The namespaces are deleted at the end, also on failure or
@@ -45,7 +49,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = "Once upon a time, in a small village,"
+STORY = "Once upon a time, in a small village,"
 SUFFIX = str(os.getpid())
 NS_CLIENT, NS_SERVER = f"specchat-rpc-cli-{SUFFIX}", f"specchat-rpc-srv-{SUFFIX}"
 VETH_CLIENT, VETH_SERVER = "rpc-cli", "rpc-srv"  # they exist only inside the two namespaces
@@ -190,8 +194,8 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def run_once(strategy: str, args: argparse.Namespace, cost_file: Path) -> dict:
-    cmd = in_ns(NS_CLIENT, sys.executable, "-m", "app", "run", PROMPT, "-m", "demo", "-md", "demo-draft",
+def run_once(strategy: str, prompt: str, args: argparse.Namespace, cost_file: Path) -> dict:
+    cmd = in_ns(NS_CLIENT, sys.executable, "-m", "app", "run", prompt, "-m", "demo", "-md", "demo-draft",
                 "-s", strategy, "--temp", "0", "-n", str(args.n_predict), "-t", str(args.threads), "--json",
                 "--rpc", f"{ADDR_SERVER}:{PORT}", *(["-ngl", str(args.ngl)] if args.ngl else []))
     env = dict(os.environ, SPECCHAT_COST_CACHE=str(cost_file))
@@ -232,8 +236,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="client threads (the draft, the embeddings)")
     ap.add_argument("--server-threads", type=int, default=1, help="RPC server threads (the target's layers)")
     ap.add_argument("-ngl", "--gpu-layers", dest="ngl", type=int, default=0,
-                    help="target layers on the server (default: all; the demo target's 18 keeps the output layer, "
-                         "hence the logits, on the client)")
+                    help="target layers on the server, the output layer counted first (default: all; the demo "
+                         "target's 18 keeps its first layer on the client)")
+    ap.add_argument("--prompts", choices=("story", "builtin"), default="story",
+                    help="one story prompt, or each prompt of the bench's builtin set")
     ap.add_argument("--strategies", default=None, help="default: ar,sps and auto when this specchat has it")
     ap.add_argument("--delay-by", choices=("auto", "netem", "proxy"), default="auto",
                     help="netem on the veth ends, or the relay (auto: netem when the kernel has it)")
@@ -246,6 +252,10 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces and netem)")
     strategies = args.strategies.split(",") if args.strategies else ["ar", "sps"] + (["auto"] if has_auto() else [])
+    prompts = [("story", STORY)]
+    if args.prompts == "builtin":
+        from app.prompt_sets import load_prompt_set
+        prompts = [(p.category, p.text) for p in load_prompt_set("builtin")]
     rtts = [float(r) for r in args.rtt.split(",")]
     # The demo pair is built (once) outside the namespaces, before anything is timed.
     subprocess.run([sys.executable, "-c", "import sys; from app.loading import quantize; from models.demo import "
@@ -270,14 +280,16 @@ def main() -> int:
                 relay_proc = Relay(rtt, f"{ADDR_SERVER}:{PORT}", f"127.0.0.1:{PORT}")
             cost_file = work / f"device-cost-{rtt:g}ms.json"
             # Unrecorded: fills the server's weight cache (first load) and auto's costs at this round trip.
-            run_once("auto" if "auto" in strategies else strategies[0], args, cost_file)
+            run_once("auto" if "auto" in strategies else strategies[0], prompts[0][1], args, cost_file)
             for repeat in range(args.repeats):
-                for strategy in strategies:
-                    r = run_once(strategy, args, cost_file) | {"rtt_ms": rtt, "repeat": repeat}
-                    results.append(r)
-                    print(f"rtt {rtt:g} ms  repeat {repeat}  {strategy:5s} {r['tok_s']:6.2f} tok/s  "
-                          f"{r['forwards']} forwards  {r['bytes_per_forward'] / 1024:.1f} KiB/forward",
-                          file=sys.stderr, flush=True)
+                for n, (category, prompt) in enumerate(prompts):
+                    for strategy in strategies:
+                        r = run_once(strategy, prompt, args, cost_file) | {
+                            "rtt_ms": rtt, "repeat": repeat, "prompt": n, "category": category}
+                        results.append(r)
+                        print(f"rtt {rtt:g} ms  repeat {repeat}  {category:13s} {strategy:5s} {r['tok_s']:6.2f} tok/s  "
+                              f"{r['forwards']} forwards  {r['bytes_per_forward'] / 1024:.1f} KiB/forward",
+                              file=sys.stderr, flush=True)
     finally:
         for proc in (relay_proc, server):
             if proc is not None:
@@ -296,19 +308,38 @@ def report(results: list[dict], strategies: list[str], rtts: list[float]) -> Non
             *(f"`{s}` acceptance" for s in others if s == "sps"), *(f"`{s}` KiB/forward" for s in strategies)]
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
-    ar_tokens = {r["repeat"]: r["tokens"] for r in results if r["strategy"] == "ar" and r["rtt_ms"] == rtts[0]}
+
+    def ratios(s: str, rows: list[dict]) -> list[float]:
+        """`s` against `ar` on the same round trip, repeat and prompt."""
+        ar = {(r["rtt_ms"], r["repeat"], r["prompt"]): r["tok_s"] for r in rows if r["strategy"] == "ar"}
+        return [r["tok_s"] / ar[k] for r in rows if r["strategy"] == s
+                and (k := (r["rtt_ms"], r["repeat"], r["prompt"])) in ar]
+
     for rtt in rtts:
-        by = {s: [r for r in results if r["rtt_ms"] == rtt and r["strategy"] == s] for s in strategies}
+        rows = [r for r in results if r["rtt_ms"] == rtt]
+        by = {s: [r for r in rows if r["strategy"] == s] for s in strategies}
         cells = [f"{rtt:g} ms"]
         cells += [f"{statistics.median(r['tok_s'] for r in by[s]):.2f}" for s in strategies]
         for s in others:
-            ratios = [o["tok_s"] / a["tok_s"] for o, a in zip(by[s], by["ar"])] if "ar" in by else []
-            cells.append(f"{statistics.median(ratios):.2f}" if ratios else "")
+            rs = ratios(s, rows)
+            cells.append(f"{statistics.median(rs):.2f}" if rs else "")
         cells += [f"{statistics.median(r['acceptance'] or 0 for r in by[s]):.2f}" for s in others if s == "sps"]
         cells += [f"{statistics.median(r['bytes_per_forward'] for r in by[s]) / 1024:.1f}" for s in strategies]
         print("| " + " | ".join(cells) + " |")
-    same = all(r["tokens"] == next(iter(ar_tokens.values())) for r in results) if ar_tokens else None
-    print(f"\nevery run's output equal to the first `ar` run's: {same}")
+    categories = list(dict.fromkeys(r["category"] for r in results))
+    if len(categories) > 1 and others:
+        print("\nper category, against `ar` (median over repeats and the category's prompts):")
+        for rtt in rtts:
+            for s in others:
+                cells = []
+                for c in categories:
+                    rs = ratios(s, [r for r in results if r["rtt_ms"] == rtt and r["category"] == c])
+                    cells.append(f"{c} {statistics.median(rs):.2f}" if rs else f"{c} -")
+                print(f"  {rtt:g} ms {s}: " + ", ".join(cells))
+    # Greedy: every run of a prompt must give the same tokens, whatever the strategy and round trip.
+    first: dict[int, list] = {}
+    same = all(first.setdefault(r["prompt"], r["tokens"]) == r["tokens"] for r in results)
+    print(f"\nevery run's output equal to the first run's of the same prompt: {same}")
 
 
 if __name__ == "__main__":
