@@ -1,7 +1,10 @@
 """`specchat bench`: strategies side by side on this device.
 
-Every configuration runs on every prompt, interleaved (A B C A B C ...) so
-that drift on a busy machine hits all alike, after one warm-up pass. Caches are
+Every configuration runs on every prompt, interleaved (A B C, B C A, C A B,
+...: each takes its turn going first) so that drift on a busy machine hits
+all alike, after one warm-up pass. `--control` adds `ar` a second time: its
+ratio to `ar` is the machine's own noise, the band within which a
+configuration's ratio says nothing. Caches are
 reset before each run so that each measures the same work. Speedups are ratios
 to `ar` taken within the same repeat and prompt, then the median. The device's
 batch cost curve (backends.cost) turns each configuration's measured tokens
@@ -124,7 +127,11 @@ def run_bench(
 ) -> list[ConfigResult]:
     """Run every configuration on every prompt (`tokenized`: as the target sees it) `repeats` times.
 
-    The first config must be plain `ar`.
+    The first config must be plain `ar`: every run's ratio is against `ar`'s
+    run on the same prompt in the same repeat. The configurations take turns
+    going first (the order rotates by one per prompt and repeat), so that none
+    always follows the same one: on a shared machine a slow spell, or what
+    the run before left in the caches, then falls on each alike.
     """
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
     results = [ConfigResult(c) for c in configs]
@@ -134,22 +141,25 @@ def run_bench(
     total = repeats * len(prompts) * len(configs)
     done_runs = 0
     for rep in range(repeats):
-        for prompt, tokens in zip(prompts, tokenized):
-            base_tokens: tuple[int, ...] = ()
-            base_speed = 0.0
-            for res in results:
-                done = _run(engine, res.config, tokens, params)
+        for i, (prompt, tokens) in enumerate(zip(prompts, tokenized)):
+            first = (rep * len(prompts) + i) % len(results)
+            dones: dict[int, Done] = {}
+            for n in [*range(first, len(results)), *range(first)]:
+                res = results[n]
+                dones[n] = done = _run(engine, res.config, tokens, params)
                 res.add(done, cost, draft_cost, prompt.category)
-                if res is results[0]:
-                    base_tokens, base_speed = done.tokens, done.stats.tokens_per_second
-                elif params.greedy:
-                    res.greedy_match = res.greedy_match is not False and done.tokens == base_tokens
-                ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
-                res.ratios.append(ratio)
-                res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
                 done_runs += 1
                 progress(f"[{done_runs}/{total}] repeat {rep + 1}, {prompt.category}, {res.config.label}: "
                          f"{done.stats.tokens_per_second:.1f} tok/s")
+            base = dones[0]
+            base_speed = base.stats.tokens_per_second
+            for n, res in enumerate(results):
+                done = dones[n]
+                if n and params.greedy:
+                    res.greedy_match = res.greedy_match is not False and done.tokens == base.tokens
+                ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
+                res.ratios.append(ratio)
+                res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
     return results
 
 

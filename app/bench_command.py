@@ -19,7 +19,11 @@ from backends.config import StrategyOptions
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec, strategy_label
 from backends.llama import default_threads
 
-def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> list[BenchConfig]:
+CONTROL_LABEL = "ar (control)"
+
+
+def build_configs(names: list[str], options: StrategyOptions, sweep: bool, control: bool = False) -> list[BenchConfig]:
+    """`ar` first, then each strategy (and its sweep grid); with `control`, `ar` once more, last: an A/A pair."""
     configs = [BenchConfig("ar", "ar")]
     for name in names:
         if name == "ar":
@@ -31,6 +35,8 @@ def build_configs(names: list[str], options: StrategyOptions, sweep: bool) -> li
             if label not in seen:
                 seen.add(label)
                 configs.append(BenchConfig(label, name, opt))
+    if control:
+        configs.append(BenchConfig(CONTROL_LABEL, "ar"))
     return configs
 
 
@@ -64,7 +70,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
     prompts = load_prompt_set(args.prompts, args.limit)
-    configs = build_configs(names, options, args.sweep)
+    configs = build_configs(names, options, args.sweep, args.control)
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
     engine = open_engine(settings, n_seq, print_progress)
     target, draft = engine.config.target, engine.config.draft

@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
+    bench.add_argument("--control", action="store_true",
+                       help="run ar twice (an A/A row): its ratio is this machine's noise")
     bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")
     bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
     bench.add_argument("--raw", action="store_true",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,22 @@ def test_table_formats_rows() -> None:
            "greedy_matches_ar": False, "accepted_per_position": [0.9, 0.5]}
     line = format_table([row]).splitlines()[2]
     assert "1.50" in line and "NO" in line and "0.90 0.50" in line
+
+
+def test_bench_rotates_the_order_and_runs_an_aa_control(tiny, tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-s", "ar,lookup", "--control", "--repeats", "1",
+         "--limit", "3", "-n", "8", "-t", "1", "--cost-k-max", "0", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    runs = re.findall(r"^\[\d+/9\] repeat 1, (\w+), (.+): [\d.]+ tok/s$", r.stderr, re.MULTILINE)
+    assert len(runs) == 9
+    orders = [[label for _c, label in runs[i:i + 3]] for i in range(0, 9, 3)]
+    # Each prompt runs every configuration once; a different one goes first each time.
+    assert [sorted(o) for o in orders] == [sorted(["ar", "lookup K=10 n<=3", "ar (control)"])] * 3
+    assert len({o[0] for o in orders}) == 3
+    rows = {row["label"]: row for row in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    control = rows["ar (control)"]
+    assert control["strategy"] == "ar" and control["greedy_matches_ar"] is True and control["speedup"] > 0
+    assert "ar (control)" in r.stdout and rows["ar"]["speedup"] == 1.0
