@@ -2,14 +2,14 @@
 
 Every configuration runs on every prompt, interleaved (A B C, B C A, C A B,
 ...: each takes its turn going first) so that drift on a busy machine hits
-all alike, after one warm-up pass. `--control` adds `ar` a second time: its
-ratio to `ar` is the machine's own noise, the band within which a
-configuration's ratio says nothing. Caches are
-reset before each run so that each measures the same work. Speedups are ratios
-to `ar` taken within the same repeat and prompt, then the median. The device's
-batch cost curve (backends.cost) turns each configuration's measured tokens
-per forward and drafts per forward into the speedup that llama.cpp's decode
-times alone would allow, so the table shows how close each runs to its limit.
+all alike, after one warm-up pass. Caches are reset before each run so that
+each measures the same work. Speedups are ratios to `ar` taken within the
+same repeat and prompt, then the median. `--control` adds `ar` a second
+time: its ratio to `ar` is the machine's own noise, the band within which a
+configuration's ratio says nothing. The device's batch cost curve
+(backends.cost) turns each configuration's measured tokens per forward and
+drafts per forward into the speedup that llama.cpp's decode times alone
+would allow, so the table shows how close each runs to its limit.
 """
 
 from __future__ import annotations
