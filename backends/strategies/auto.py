@@ -364,7 +364,9 @@ class _Generation:
         self.batch_tokens = 0
         self.explored = 0
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
-        self.lookup_accept: list[float] = []  # lookup's acceptance by position as counted, for the last decision
+        # For the last decision: the estimate each lookup position is learnt under, and its acceptance as counted.
+        self.lookup_keys: list[tuple[int, int]] = []
+        self.lookup_accept: list[float] = []
         self.lookup_calibration = Calibration()
         self._why_text, self._why_option, self._why_step = "", "", 0
 
@@ -419,7 +421,8 @@ class _Generation:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
-            self.lookup_accept = [st.lookup.p(lookup_key(match, i)) for i in range(len(lookup[:room]))]
+            self.lookup_keys = [lookup_key(match, i) for i in range(len(lookup[:room]))]
+            self.lookup_accept = [st.lookup.p(key) for key in self.lookup_keys]
             # Scaling the first position's chance scales every length's expected extra tokens alike.
             accept = list(self.lookup_accept)
             accept[0] = min(accept[0] * self.lookup_calibration.factor(), 0.99)
@@ -591,7 +594,7 @@ class _Generation:
             yield from self._draft_step(choice)
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
-                                   [lookup_key(match, i) for i in range(choice.length)])
+                                   self.lookup_keys[:choice.length])
             self.lookup_calibration.add(len(run.output) - before - 1,
                                         expected_chain_tokens(self.lookup_accept, choice.length) - 1)
         else:
