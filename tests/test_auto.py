@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.config import AutoConfig, LookaheadConfig, LookupConfig, StrategyOptions
+from backends.config import AutoConfig, LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
@@ -277,6 +277,32 @@ def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_
                 position += e.accepted + 1
         assert position > 3 * MIN_EXPLORE_INTERVAL, "long enough that the old schedule would try it 3 more times"
         assert tries == [0], tries
+    finally:
+        engine.close()
+
+
+def test_a_try_of_the_draft_drafts_as_sps_does_whatever_the_estimates_say(tiny) -> None:
+    """Estimates that call every draft token a loss would stop a normal draft step after one token, and a try
+    drafting one token cannot pay (a draft decode and a batch row for at most one more token): the try would
+    confirm the estimate it is there to test. So a try drafts as sps does (K tokens while the confidence stays
+    at or above p_min), and the identical draft's K tokens are all verified and accepted, and learnt from."""
+    cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.6)
+    engine = _engine(tiny, tiny.same_draft, cost)
+    try:
+        state = engine.auto_state
+        for b in range(10):  # "the draft is refused whatever its confidence", as if it had been seen so
+            for _ in range(50):
+                state.draft_by_conf.update(b, False)
+        before = [state.draft_by_conf.p(b) for b in range(10)]
+        state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})  # past the early tries
+        state.since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # stale: due now, at the start, when the draft is synced
+        options = StrategyOptions(sps=SpsConfig(draft_max=5, p_min=0.0), auto=AutoConfig(lookup=False))
+        prompt = engine.tokenize(TINY_PROMPTS[1])
+        events = list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=32)))
+        tries = [e for e in events if isinstance(e, StepEnd) and e.choice == "draft"]
+        assert tries and (tries[0].drafted, tries[0].accepted) == (5, 5), tries
+        after = [state.draft_by_conf.p(b) for b in range(10)]
+        assert any(a > b for a, b in zip(after, before)), "the try is learnt from"
     finally:
         engine.close()
 

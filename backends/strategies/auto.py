@@ -19,9 +19,10 @@ unit of time, from a cost model measured on the device); TensorRT-LLM's
 switch-off at low acceptance is its special case. The inputs:
   - expected tokens: the chance a proposed token is accepted, learnt live per
     proposer and kept across the turns of a conversation (the engine holds
-    the state): for the draft by its confidence (its probability of the token
-    it proposes; EAGLE-2 shows it tracks acceptance) and by position, for
-    lookup by match length and position, for lookahead its tokens per step.
+    the state): for the draft by its confidence (its top probability, as
+    llama.cpp's --draft-p-min reads it; EAGLE-2 shows it tracks acceptance)
+    and by position, for lookup by match length and position, for lookahead
+    its tokens per step.
     Lookup's match is followed back past the n-gram that found it (up to
     MATCH_EXTEND tokens), which tells copying a passage (long matches) from
     quoting a phrase (short ones). Beta-Bernoulli counts with a prior,
@@ -44,8 +45,10 @@ a(c) exceeds R times the extra batch row, and drafting goes on while the
 tokens after it are expected to pay for their draft decodes as well (looking
 several tokens ahead, not only at the next one).
 
-Exploration: an option the estimates call worse is still tried now and then,
-each at most once per `interval` steps, the interval chosen so that trying
+Exploration: an option the estimates call worse is still tried now and then
+(a try of the draft drafts as sps does, so that estimates too low to let a
+chain grow are tested on a chain that does), each at most once per
+`interval` steps, the interval chosen so that trying
 all of them costs at most `explore_budget` (1%) of the time. An option barely
 tried yet is judged by its prior alone, so its first tries come sooner (after
 8, 16, 32, 64 steps, on a budget halving from 16x), once per engine: a draft
@@ -344,6 +347,7 @@ class _Generation:
         engine, options = owner.engine, owner.options
         self.engine = engine
         self.cfg = options.auto
+        self.sps = options.sps  # how a try of the draft drafts
         self.state = owner.state
         self.target = engine.target
         self.draft = engine.draft if options.auto.draft else None
@@ -360,6 +364,7 @@ class _Generation:
         self.curve: BatchCost | None = None
         self.t1 = 0.0  # the measured T(1), seconds
         self.decide_seconds = 0.0
+        self.step_rate = 1.0  # the throughput this step's choice was made for (decide)
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
@@ -412,13 +417,11 @@ class _Generation:
         """Steps between explorations of an option costing `extra_seconds` over a plain step, taken `taken` times."""
         return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options, taken)
 
-    def decide(self, lookup: list[int], match: int) -> Choice:
+    def options(self, lookup: list[int], match: int, rate: float, t_plain: float) -> list[Choice]:
+        """The speculative options of this step, each at its best length for throughput `rate`."""
         st, run = self.state, self.run
         room = run.room() - 1
-        t_plain = st.t_plain.get(self.t1 or 1.0)
-        rate = self.rate()
         row = max(st.row_overhead.get(0.0), 0.0)
-        plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
             self.lookup_keys = [lookup_key(match, i) for i in range(len(lookup[:room]))]
@@ -443,6 +446,14 @@ class _Generation:
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
+        return options
+
+    def decide(self, lookup: list[int], match: int) -> Choice:
+        st, run = self.state, self.run
+        t_plain = st.t_plain.get(self.t1 or 1.0)
+        plain = Choice(PLAIN, 0, 1.0, t_plain)
+        rate = self.step_rate = self.rate()
+        options = self.options(lookup, match, rate, t_plain)
         best = max([plain, *options], key=lambda o: o.value(rate))
         # Exploration: an option not taken for its interval is tried once, to keep its estimate fresh.
         for o in options:
@@ -502,12 +513,22 @@ class _Generation:
 
     # -- proposers -----------------------------------------------------------
 
-    def draft_chain(self, k_max: int, force: int) -> tuple[list[int], list[np.ndarray], list[float]]:
-        """Draft up to k_max tokens, stopping where the next one no longer pays; at least `force` if drafted."""
+    def draft_chain(self, k_max: int, explore: bool) -> tuple[list[int], list[np.ndarray], list[float]]:
+        """Draft up to k_max tokens, stopping where the next one no longer pays.
+
+        A try of the draft (`explore`) drafts as `sps` does instead: while the
+        draft's confidence stays at or above sps's p_min, up to sps's K, at
+        least one token. Its chain must not be cut by the estimates it is there
+        to correct: when they are too low (a draft not yet seen at this
+        temperature), the stopping rule would draft one token, which cannot pay
+        with a draft decode and a batch row to pay for, so the try would
+        confirm the estimate it was meant to test and the positions past the
+        first would never be verified, so never learnt.
+        """
         st, params = self.state, self.params
         draft = self.draft
         assert draft is not None
-        rate = self.rate()
+        rate = self.step_rate
         t_plain = st.t_plain.get(self.t1 or 1.0)
         t_draft = self.t_draft(t_plain)
         row = max(st.row_overhead.get(0.0), 0.0)
@@ -529,17 +550,24 @@ class _Generation:
         reach = 1.0
         for i in range(k_max):
             logits = draft.logits()
+            # The confidence is the draft's top probability (of its tempered distribution when sampling),
+            # as for sps and llama.cpp's --draft-p-min: the sampled token's own probability would call a
+            # draft unsure wherever its distribution is flat, though a flat draft that matches a flat
+            # target is accepted just as often (the chance is 1 - TV(p, q)).
             if params.greedy:
                 tok = argmax(logits)
                 conf = top_probability(logits)
             else:
                 q = probabilities(logits, params)
                 tok = sample(q, self.run.rng)
-                conf = float(q[tok])
+                conf = float(q.max())
                 dists.append(q)
             a = st.draft_by_conf.p(confidence_bin(conf))
-            gain = reach * a - rate * (t_plain * (self.relative(i + 2) - self.relative(i + 1)) + row)
-            if gain <= 0 and i >= force:
+            if explore:
+                stop = i > 0 and conf < self.sps.p_min
+            else:
+                stop = reach * a - rate * (t_plain * (self.relative(i + 2) - self.relative(i + 1)) + row) <= 0
+            if stop:
                 if not params.greedy:
                     dists.pop()
                 break
@@ -547,8 +575,12 @@ class _Generation:
             tokens.append(tok)
             confs.append(conf)
             # Draft on only if the tokens after this one are expected to pay for their draft decodes too.
-            if i + 1 >= k_max or (i + 1 >= force and self._continue_gain(reach, a, i + 1, k_max, rate, t_plain,
-                                                                         t_draft, row) <= 0):
+            if explore:
+                last = i + 1 >= min(k_max, self.sps.draft_max)
+            else:
+                last = i + 1 >= k_max or \
+                    self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft, row) <= 0
+            if last:
                 break
             draft.extend([tok])
             decodes += 1
@@ -631,7 +663,7 @@ class _Generation:
         room = run.room() - 1
         before = len(run.output)
         t0 = time.perf_counter()
-        tokens, dists, confs = self.draft_chain(min(self.cfg.draft_max, room), 1 if choice.explore else 0)
+        tokens, dists, confs = self.draft_chain(min(self.cfg.draft_max, room), choice.explore)
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
