@@ -48,8 +48,8 @@ several tokens ahead, not only at the next one).
 Exploration: an option the estimates call worse is still tried now and then
 (a try of the draft drafts as sps does, so that estimates too low to let a
 chain grow are tested on a chain that does), each at most once per
-`interval` steps, the interval chosen so that trying
-all of them costs at most `explore_budget` (1%) of the time. An option barely
+`interval` steps, the interval chosen so that trying all of them costs at
+most `explore_budget` (1%) of the time. An option barely
 tried yet is judged by its prior alone, so its first tries come sooner (after
 8, 16, 32, 64 steps, on a budget halving from 16x), once per engine: a draft
 that pays is found within the first tokens, one that does not costs a few
@@ -364,7 +364,6 @@ class _Generation:
         self.curve: BatchCost | None = None
         self.t1 = 0.0  # the measured T(1), seconds
         self.decide_seconds = 0.0
-        self.step_rate = 1.0  # the throughput this step's choice was made for (decide)
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
@@ -417,11 +416,13 @@ class _Generation:
         """Steps between explorations of an option costing `extra_seconds` over a plain step, taken `taken` times."""
         return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options, taken)
 
-    def options(self, lookup: list[int], match: int, rate: float, t_plain: float) -> list[Choice]:
-        """The speculative options of this step, each at its best length for throughput `rate`."""
+    def decide(self, lookup: list[int], match: int) -> Choice:
         st, run = self.state, self.run
         room = run.room() - 1
+        t_plain = st.t_plain.get(self.t1 or 1.0)
+        rate = self.rate()
         row = max(st.row_overhead.get(0.0), 0.0)
+        plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
             self.lookup_keys = [lookup_key(match, i) for i in range(len(lookup[:room]))]
@@ -446,14 +447,6 @@ class _Generation:
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
-        return options
-
-    def decide(self, lookup: list[int], match: int) -> Choice:
-        st, run = self.state, self.run
-        t_plain = st.t_plain.get(self.t1 or 1.0)
-        plain = Choice(PLAIN, 0, 1.0, t_plain)
-        rate = self.step_rate = self.rate()
-        options = self.options(lookup, match, rate, t_plain)
         best = max([plain, *options], key=lambda o: o.value(rate))
         # Exploration: an option not taken for its interval is tried once, to keep its estimate fresh.
         for o in options:
@@ -528,7 +521,7 @@ class _Generation:
         st, params = self.state, self.params
         draft = self.draft
         assert draft is not None
-        rate = self.step_rate
+        rate = self.rate()
         t_plain = st.t_plain.get(self.t1 or 1.0)
         t_draft = self.t_draft(t_plain)
         row = max(st.row_overhead.get(0.0), 0.0)
