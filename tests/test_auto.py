@@ -21,9 +21,10 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, Acceptance, AutoState,
-                                      Calibration, best_chain_length, confidence_bin, expected_chain_tokens,
-                                      explore_interval, lookup_acceptance, lookup_key)
+from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, Acceptance,
+                                      AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
+                                      confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance,
+                                      lookup_key)
 from backends.strategies.lookup import NgramIndex
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
@@ -143,6 +144,34 @@ def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> 
     small = Calibration()
     small.add(0.0, 0.5)
     assert small.factor() == pytest.approx(0.8)
+
+
+def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
+    """A draft measured to give 2 tokens for 1.6 plain steps pays (1 more token for 0.6 more steps) when it is
+    in sync. After 100 tokens decoded without it, catching up costs ~9 plain steps (0.15 of a draft decode per
+    token, the prior), more than 8 of its steps gain back: plain. A short lag is worth paying over 8 steps but
+    not over the last step of the answer."""
+    engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 0.6))
+    options = StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
+    try:
+        state = engine.auto_state
+        for _ in range(20):
+            state.draft_step_tokens.add(2.0)
+            state.draft_step_cost.add(1.6)
+        prompt = engine.tokenize(TINY_PROMPTS[0])
+        gen = _Generation(AutoDecoding(engine, options), prompt, GenParams(max_tokens=400))
+        gen.prefill()
+        assert gen.decide([], 0).option == "draft", "in sync: no catch-up, the draft pays"
+        context = gen.run.context
+        context.extend([context[-1]] * 10)  # decoded while the draft stood by (decide reads only the lag)
+        assert gen.decide([], 0).option == "draft", "a short catch-up, paid back over 8 steps"
+        gen.run.output.extend([0] * (400 - len(gen.run.output) - 2))  # two tokens of room left
+        assert gen.decide([], 0).option == "plain", "the same catch-up with one step left to pay it back"
+        gen.run.output[:] = []
+        context.extend([context[-1]] * 90)
+        assert gen.decide([], 0).option == "plain", "100 tokens behind: the catch-up costs more than it brings"
+    finally:
+        engine.close()
 
 
 # -- the cost cache ---------------------------------------------------------------------------------------------------

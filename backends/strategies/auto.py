@@ -39,6 +39,10 @@ switch-off at low acceptance is its special case. The inputs:
     Engine.device_cost), scaled by the live time of a plain step; plus the
     Python overhead per verified row and per draft token, measured live as
     the residual of every step against that prediction.
+The draft decodes only when used, so switching to it after a stretch of other
+steps first catches it up on that stretch: a one-off cost, which its expected
+gain must pay back within SWITCH_HORIZON steps (fewer near the end of the
+answer); otherwise the switch is made only by a try.
 For the draft chain the same rule runs per token: after drafting token i with
 confidence c, it is verified if its expected gain P(all before accepted) *
 a(c) exceeds R times the extra batch row, and drafting goes on while the
@@ -68,7 +72,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
@@ -113,6 +117,9 @@ CHAIN_LAG = 2
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
+# Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
+# on after a switch (fewer near the end of the answer).
+SWITCH_HORIZON = 8
 
 
 class Acceptance:
@@ -248,10 +255,19 @@ class Choice:
     seconds: float = 1.0  # expected time
     why: str = ""
     explore: bool = False
+    # A one-off cost of taking this option now (the draft catching up on the tokens decoded while it stood
+    # by), and over how many steps of it that is paid back: a switch must pay for itself within them.
+    switch: float = 0.0
+    horizon: float = 1.0
+
+    @property
+    def step_seconds(self) -> float:
+        """Expected seconds of this step, with its share of the switching cost."""
+        return self.seconds + self.switch / self.horizon
 
     def value(self, rate: float) -> float:
         """Dinkelbach's worth at throughput `rate`: positive against a step that merely keeps the rate."""
-        return self.tokens - rate * self.seconds
+        return self.tokens - rate * self.step_seconds
 
 
 def running_expected_tokens(accept: Sequence[float]) -> Iterator[float]:
@@ -437,13 +453,15 @@ class _Generation:
             k_max = min(self.cfg.draft_max, room)
             if st.draft_step_tokens.value is not None and st.draft_step_cost.value is not None:
                 # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
-                options.append(Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_cost.value * t_plain))
+                draft = Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_cost.value * t_plain)
             else:  # before any draft step: from the acceptance by position
                 t_draft = self.t_draft(t_plain)
                 accept = [st.draft_by_pos.p(i) for i in range(k_max)]
                 k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
-                options.append(Choice(DRAFT, k_max, tokens, seconds) if k else
-                               self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft))
+                draft = Choice(DRAFT, k_max, tokens, seconds) if k else \
+                    self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft)
+            options.append(replace(draft, switch=self.catch_up_seconds(t_plain),
+                                   horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON))))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
@@ -453,8 +471,8 @@ class _Generation:
             if o.option == best.option:
                 continue
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
-            if o.option == DRAFT and st.taken.get(DRAFT, 0) >= EARLY_TRIES:  # the early tries: once per engine
-                extra += self.catch_up_seconds(t_plain)
+            if st.taken.get(o.option, 0) >= EARLY_TRIES:  # a try pays its switch in full; the early tries
+                extra += o.switch  # come once per engine, so what the draft catches up on then is bounded
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), st.taken.get(o.option, 0)):
                 return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
                               f"{o.option} — trying it (its estimate is stale)", True)
@@ -495,7 +513,7 @@ class _Generation:
     def _why(best: Choice, options: list[Choice], t_plain: float) -> str:
         """In words, with each option's predicted speed against a plain step's."""
         def speedup(o: Choice) -> float:
-            return o.tokens / o.seconds * t_plain
+            return o.tokens / o.step_seconds * t_plain
 
         if best.option == PLAIN:
             if not options:
