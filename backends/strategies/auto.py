@@ -488,8 +488,10 @@ class _Generation:
     def catch_up_seconds(self, t_plain: float) -> float:
         """Expected time for the draft to catch up on the tokens it missed, were it used now.
 
-        Part of what trying the draft costs: the draft decodes only when used,
-        so a try after a stretch of other steps first decodes that stretch. Over
+        The draft option's switching cost (Choice.switch): the draft decodes
+        only when used, so taking it after a stretch of other steps first
+        decodes that stretch. Chosen on its estimate, the draft pays it back
+        over SWITCH_HORIZON of its steps; a try pays it in full. Over
         a long stretch that comes to a fixed share of the time (a few percent
         with a draft a quarter of the target's cost), more than the exploration
         budget, so the draft is then tried only when it is nearly caught up: in
