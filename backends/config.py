@@ -130,7 +130,8 @@ class AutoConfig:
     Lookup's n-gram sizes and lookahead's W/N/G come from those strategies'
     configs. The draft chain's and lookup's lengths are chosen every step, up
     to `draft_max` (the chain stops where the next token no longer pays; only
-    a try of the draft, when its estimate is stale, drafts by sps's K and p_min).
+    a try of the draft, when its estimate is stale, drafts by sps's p_min, up
+    to sps's K at first and a few tokens later).
     """
 
     draft: bool = True  # the draft-model chain (when a draft model is loaded)

@@ -21,8 +21,8 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, Acceptance,
-                                      AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
+from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX,
+                                      Acceptance, AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
                                       confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance,
                                       lookup_key)
 from backends.strategies.lookup import NgramIndex
@@ -310,11 +310,14 @@ def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_
         engine.close()
 
 
-def test_a_try_of_the_draft_drafts_as_sps_does_whatever_the_estimates_say(tiny) -> None:
+@pytest.mark.parametrize("taken, drafted", [(0, 5), (4, TRY_DRAFT_MAX)], ids=["early-try", "steady-try"])
+def test_a_try_of_the_draft_drafts_a_chain_whatever_the_estimates_say(tiny, taken: int, drafted: int) -> None:
     """Estimates that call every draft token a loss would stop a normal draft step after one token, and a try
     drafting one token cannot pay (a draft decode and a batch row for at most one more token): the try would
-    confirm the estimate it is there to test. So a try drafts as sps does (K tokens while the confidence stays
-    at or above p_min), and the identical draft's K tokens are all verified and accepted, and learnt from."""
+    confirm the estimate it is there to test. So a try drafts as sps does, while the confidence stays at or above
+    p_min: up to sps's K while the draft is judged by its prior (the early tries), then up to TRY_DRAFT_MAX
+    tokens, a cheaper test. The identical draft's tokens are all verified and accepted, and learnt from."""
+    assert TRY_DRAFT_MAX < 5, "the case must tell the two lengths apart"
     cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.6)
     engine = _engine(tiny, tiny.same_draft, cost)
     try:
@@ -323,13 +326,13 @@ def test_a_try_of_the_draft_drafts_as_sps_does_whatever_the_estimates_say(tiny) 
             for _ in range(50):
                 state.draft_by_conf.update(b, False)
         before = [state.draft_by_conf.p(b) for b in range(10)]
-        state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})  # past the early tries
+        state.taken.update({"draft": taken, "lookup": 4, "lookahead": 4})
         state.since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # stale: due now, at the start, when the draft is synced
         options = StrategyOptions(sps=SpsConfig(draft_max=5, p_min=0.0), auto=AutoConfig(lookup=False))
         prompt = engine.tokenize(TINY_PROMPTS[1])
         events = list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=32)))
         tries = [e for e in events if isinstance(e, StepEnd) and e.choice == "draft"]
-        assert tries and (tries[0].drafted, tries[0].accepted) == (5, 5), tries
+        assert tries and (tries[0].drafted, tries[0].accepted) == (drafted, drafted), tries
         after = [state.draft_by_conf.p(b) for b in range(10)]
         assert any(a > b for a, b in zip(after, before)), "the try is learnt from"
     finally:

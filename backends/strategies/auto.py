@@ -50,8 +50,9 @@ tokens after it are expected to pay for their draft decodes as well (looking
 several tokens ahead, not only at the next one).
 
 Exploration: an option the estimates call worse is still tried now and then
-(a try of the draft drafts as sps does, so that estimates too low to let a
-chain grow are tested on a chain that does), each at most once per
+(a try of the draft drafts as sps does, by p_min, so that estimates too low
+to let a chain grow are tested on a chain that does: up to sps's K in its
+early tries, then up to TRY_DRAFT_MAX tokens), each at most once per
 `interval` steps, the interval chosen so that trying all of them costs at
 most `explore_budget` (1%) of the time. An option barely
 tried yet is judged by its prior alone, so its first tries come sooner (after
@@ -120,6 +121,10 @@ WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it
 # Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
 # on after a switch (fewer near the end of the answer).
 SWITCH_HORIZON = 8
+# The longest chain a steady try of the draft drafts (the early tries draft up to sps's K): a try that tests
+# the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
+# whole on whichever answer it falls in.
+TRY_DRAFT_MAX = 3
 
 
 class Acceptance:
@@ -530,8 +535,8 @@ class _Generation:
         """Draft up to k_max tokens, stopping where the next one no longer pays.
 
         A try of the draft (`explore`) drafts as `sps` does instead: while the
-        draft's confidence stays at or above sps's p_min, up to sps's K, at
-        least one token. Its chain must not be cut by the estimates it is there
+        draft's confidence stays at or above sps's p_min, at least one token,
+        up to try_draft_max(). Its chain must not be cut by the estimates it is there
         to correct: when they are too low (a draft not yet seen at this
         temperature), the stopping rule would draft one token, which cannot pay
         with a draft decode and a batch row to pay for, so the try would
@@ -589,7 +594,7 @@ class _Generation:
             confs.append(conf)
             # Draft on only if the tokens after this one are expected to pay for their draft decodes too.
             if explore:
-                last = i + 1 >= min(k_max, self.sps.draft_max)
+                last = i + 1 >= min(k_max, self.try_draft_max())
             else:
                 last = i + 1 >= k_max or \
                     self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft, row) <= 0
@@ -600,6 +605,14 @@ class _Generation:
         self.draft_decodes += decodes
         st.time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
         return tokens, dists, confs
+
+    def try_draft_max(self) -> int:
+        """The longest chain a try of the draft drafts: sps's K while the draft is still judged by its prior
+        (its first EARLY_TRIES steps, once per engine: a paying draft is found on full chains), then at most
+        TRY_DRAFT_MAX."""
+        if self.state.taken.get(DRAFT, 0) <= EARLY_TRIES:  # counted with this step
+            return self.sps.draft_max
+        return min(self.sps.draft_max, TRY_DRAFT_MAX)
 
     def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
                        t_draft: float, row: float) -> float:
