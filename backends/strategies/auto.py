@@ -536,12 +536,12 @@ class _Generation:
 
         A try of the draft (`explore`) drafts as `sps` does instead: while the
         draft's confidence stays at or above sps's p_min, at least one token,
-        up to try_draft_max(). Its chain must not be cut by the estimates it is there
-        to correct: when they are too low (a draft not yet seen at this
-        temperature), the stopping rule would draft one token, which cannot pay
-        with a draft decode and a batch row to pay for, so the try would
-        confirm the estimate it was meant to test and the positions past the
-        first would never be verified, so never learnt.
+        up to try_draft_max(). Its chain must not be cut by the estimates it
+        is there to correct: when they are too low (a draft not yet seen at
+        this temperature), the stopping rule would draft one token, which
+        cannot pay with a draft decode and a batch row to pay for, so the try
+        would confirm the estimate it was meant to test and the positions past
+        the first would never be verified, so never learnt.
         """
         st, params = self.state, self.params
         draft = self.draft
