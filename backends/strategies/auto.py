@@ -255,7 +255,7 @@ class Choice:
     """One step's option: what to verify, how long at most, expected tokens and seconds, and why."""
 
     option: str
-    length: int = 0  # lookup: tokens to verify (a draft chain finds its own length as it drafts)
+    length: int = 0  # lookup: tokens to verify; the draft: the longest chain (it finds its length as it drafts)
     tokens: float = 1.0  # expected output tokens
     seconds: float = 1.0  # expected time
     why: str = ""
@@ -465,7 +465,7 @@ class _Generation:
                 k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
                 draft = Choice(DRAFT, k_max, tokens, seconds) if k else \
                     self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft)
-            options.append(replace(draft, switch=self.catch_up_seconds(t_plain),
+            options.append(replace(draft, length=k_max, switch=self.catch_up_seconds(t_plain),
                                    horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON))))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
@@ -476,15 +476,25 @@ class _Generation:
             if o.option == best.option:
                 continue
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
-            if st.taken.get(o.option, 0) >= EARLY_TRIES:  # a try pays its switch in full; the early tries
-                extra += o.switch  # come once per engine, so what the draft catches up on then is bounded
-            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), st.taken.get(o.option, 0)):
-                return Choice(o.option, max(1, min(o.length, 2)), o.tokens, o.seconds,
+            taken = st.taken.get(o.option, 0)
+            early = taken < EARLY_TRIES
+            if not early:  # a try pays its switch in full; the early tries come once per engine, so what
+                extra += o.switch  # the draft catches up on then is bounded
+            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), taken):
+                return Choice(o.option, self._try_length(o, early), o.tokens, o.seconds,
                               f"{o.option} — trying it (its estimate is stale)", True)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
             self._why_text = self._why(best, options, t_plain)
             self._why_option, self._why_step = best.option, run.forwards
         return Choice(best.option, best.length, best.tokens, best.seconds, self._why_text)
+
+    def _try_length(self, o: Choice, early: bool) -> int:
+        """How long a try of `o` is at most. Lookup: 2 tokens. The draft: sps's K while it is still judged by
+        its prior (its EARLY_TRIES first steps, once per engine: a paying draft is found on full chains), then
+        TRY_DRAFT_MAX, a cheaper test."""
+        if o.option == DRAFT:
+            return min(o.length, self.sps.draft_max if early else min(self.sps.draft_max, TRY_DRAFT_MAX))
+        return max(1, min(o.length, 2))
 
     def t_draft(self, t_plain: float) -> float:
         """Seconds per draft decode: measured, seeded from the device cost, else half a plain step."""
@@ -536,12 +546,13 @@ class _Generation:
 
         A try of the draft (`explore`) drafts as `sps` does instead: while the
         draft's confidence stays at or above sps's p_min, at least one token,
-        up to try_draft_max(). Its chain must not be cut by the estimates it
-        is there to correct: when they are too low (a draft not yet seen at
-        this temperature), the stopping rule would draft one token, which
-        cannot pay with a draft decode and a batch row to pay for, so the try
-        would confirm the estimate it was meant to test and the positions past
-        the first would never be verified, so never learnt.
+        up to k_max (the try's length, from _try_length). Its chain must
+        not be cut by the estimates it is there to correct: when they are too
+        low (a draft not yet seen at this temperature), the stopping rule
+        would draft one token, which cannot pay with a draft decode and a
+        batch row to pay for, so the try would confirm the estimate it was
+        meant to test and the positions past the first would never be
+        verified, so never learnt.
         """
         st, params = self.state, self.params
         draft = self.draft
@@ -594,7 +605,7 @@ class _Generation:
             confs.append(conf)
             # Draft on only if the tokens after this one are expected to pay for their draft decodes too.
             if explore:
-                last = i + 1 >= min(k_max, self.try_draft_max())
+                last = i + 1 >= k_max
             else:
                 last = i + 1 >= k_max or \
                     self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft, row) <= 0
@@ -605,14 +616,6 @@ class _Generation:
         self.draft_decodes += decodes
         st.time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
         return tokens, dists, confs
-
-    def try_draft_max(self) -> int:
-        """The longest chain a try of the draft drafts: sps's K while the draft is still judged by its prior
-        (its first EARLY_TRIES steps, once per engine: a paying draft is found on full chains), then at most
-        TRY_DRAFT_MAX."""
-        if self.state.taken.get(DRAFT, 0) <= EARLY_TRIES:  # counted with this step
-            return self.sps.draft_max
-        return min(self.sps.draft_max, TRY_DRAFT_MAX)
 
     def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
                        t_draft: float, row: float) -> float:
@@ -686,10 +689,9 @@ class _Generation:
 
     def _draft_step(self, choice: Choice) -> Iterator[Event]:
         st, run = self.state, self.run
-        room = run.room() - 1
         before = len(run.output)
         t0 = time.perf_counter()
-        tokens, dists, confs = self.draft_chain(min(self.cfg.draft_max, room), choice.explore)
+        tokens, dists, confs = self.draft_chain(choice.length, choice.explore)
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
