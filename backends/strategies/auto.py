@@ -118,6 +118,7 @@ CHAIN_LAG = 2
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
+TRYING = "trying it (its estimate is stale)"  # the reason given for a try: "<option> — TRYING"
 # Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
 # on after a switch (fewer near the end of the answer).
 SWITCH_HORIZON = 8
@@ -482,7 +483,7 @@ class _Generation:
                 extra += o.switch  # the draft catches up on then is bounded
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), taken):
                 return Choice(o.option, self._try_length(o, early), o.tokens, o.seconds,
-                              f"{o.option} — trying it (its estimate is stale)", True)
+                              f"{o.option} — {TRYING}", True)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
             self._why_text = self._why(best, options, t_plain)
             self._why_option, self._why_step = best.option, run.forwards

@@ -33,6 +33,7 @@ from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.events import Done, StepEnd  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
+from backends.strategies.auto import TRYING  # noqa: E402
 
 MARKS = {"plain": ".", "lookup": "L", "draft": "D", "lookahead": "A"}
 
@@ -43,7 +44,7 @@ def trace(events) -> tuple[str, Done]:
     for e in events:
         if isinstance(e, StepEnd):
             mark = MARKS.get(e.choice, "?")
-            if "trying it" in (e.why or ""):
+            if (e.why or "").endswith(TRYING):
                 marks.append(f"{mark.lower()}[{position}:{e.drafted}/{e.accepted}]")
             elif e.choice != "plain":
                 marks.append(f"{mark}{e.accepted}")
