@@ -21,7 +21,7 @@ from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.sampling import GenParams
-from backends.strategies.auto import (LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX,
+from backends.strategies.auto import (BACKOFF_MAX, LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX,
                                       Acceptance, AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
                                       confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance,
                                       lookup_key)
@@ -261,6 +261,57 @@ def test_exploration_comes_early_for_a_new_option_then_within_its_budget() -> No
     assert explore_interval(0.0, 0.2, 1, 0) > 10**6, "no budget: never"
 
 
+def test_tries_that_confirm_an_option_does_not_pay_back_off() -> None:
+    steady = explore_interval(0.01, 5.0, 1, 10)
+    waits = [explore_interval(0.01, 5.0, 1, 10, backoff) for backoff in range(BACKOFF_MAX + 3)]
+    assert waits[:BACKOFF_MAX + 1] == [steady << b for b in range(BACKOFF_MAX + 1)], waits
+    assert waits[BACKOFF_MAX + 1:] == [steady << BACKOFF_MAX] * 2, "the back-off is capped"
+    assert explore_interval(0.01, 0.2, 1, 0, 3) == explore_interval(0.01, 0.2, 1, 0), "early tries: their own schedule"
+
+
+def test_lookahead_tries_back_off_within_a_generation_and_a_new_temperature_starts_over(tiny) -> None:
+    """A lookahead step costs 8 plain steps on this device and yields at most 3 tokens: never chosen on its
+    estimate, so each try leaves it worse and the wait before the next one doubles (128, 256, 512 steps)."""
+    engine = _engine(tiny, None, DeviceCost(steep(), 0.0))
+    try:
+        state = engine.auto_state
+        state.taken.update({"lookahead": 4})  # past the early tries
+        options = StrategyOptions(auto=AutoConfig(lookup=False, explore_budget=0.2))
+        prompt = engine.tokenize(TINY_PROMPTS[0])
+        events = engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=1000))
+        steps = [e.choice for e in events if isinstance(e, StepEnd)]
+        tries = [i for i, c in enumerate(steps) if c == "lookahead"]
+        assert len(steps) >= 900 and len(tries) == 3, (len(steps), tries)
+        # The steps since a try are counted from the one after it, so each later gap is its wait + 1.
+        gaps = [b - a for a, b in zip([0, *tries], tries)]
+        assert gaps == [MIN_EXPLORE_INTERVAL, 2 * MIN_EXPLORE_INTERVAL + 1, 4 * MIN_EXPLORE_INTERVAL + 1], tries
+        assert state.backoff == {"lookahead": 3}
+        state.since["lookahead"] = 0
+        list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=8, temperature=0.7, seed=1)))
+        assert state.backoff == {}, "tries made greedy say nothing of sampling"
+        state.backoff["lookahead"] = 2
+        list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=8, temperature=0.7, seed=2)))
+        assert state.backoff == {"lookahead": 2}, "the same temperature keeps the back-off"
+    finally:
+        engine.close()
+
+
+def test_an_option_chosen_on_its_estimate_is_tried_on_the_steady_schedule_again(tiny) -> None:
+    """A cheap identical draft on a flat curve is chosen from the first step: its back-off is dropped."""
+    engine = _engine(tiny, tiny.same_draft, DeviceCost(flat(), 0.1))
+    try:
+        state = engine.auto_state
+        state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})
+        state.backoff.update({"draft": BACKOFF_MAX})
+        state.temperature = 0.0
+        prompt = engine.tokenize(TINY_PROMPTS[1])
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=32), StrategyOptions(auto=AutoConfig(lookup=False)))
+        assert done.stats.steps_by_choice.get("draft", 0) > 0, done.stats.steps_by_choice
+        assert "draft" not in state.backoff, state.backoff
+    finally:
+        engine.close()
+
+
 def test_auto_finds_a_draft_its_prior_calls_too_slow(tiny) -> None:
     """A draft costing 0.6 of a step on a curve rising 10% a row: at the prior acceptance (0.5) a draft step
     would lose, so without exploring auto stays plain; the identical draft really accepts everything, and the
@@ -391,6 +442,7 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict
         counts: dict[tuple[int, ...], int] = {}
         choices: Counter[str] = Counter()
         for seed in range(3000):
+            engine.auto_state.backoff.clear()  # tries on the steady schedule: the draft's steps stay mixed in
             done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
             key = outcome(engine, done)
             counts[key] = counts.get(key, 0) + 1

@@ -54,7 +54,11 @@ Exploration: an option the estimates call worse is still tried now and then
 to let a chain grow are tested on a chain that does: up to sps's K in its
 early tries, then up to TRY_DRAFT_MAX tokens), each at most once per
 `interval` steps, the interval chosen so that trying all of them costs at
-most `explore_budget` (1%) of the time. An option barely
+most `explore_budget` (1%) of the time. Each try after which the option is
+still not chosen doubles its next wait, up to 8x (BACKOFF_MAX): confirming
+again and again that an option does not pay costs an eighth of that in the
+end, while choosing it on its estimate, or a new temperature, starts the
+waits over. An option barely
 tried yet is judged by its prior alone, so its first tries come sooner (after
 8, 16, 32, 64 steps, on a budget halving from 16x), once per engine: a draft
 that pays is found within the first tokens, one that does not costs a few
@@ -122,6 +126,10 @@ TRYING = "trying it (its estimate is stale)"  # the reason given for a try: "<op
 # Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
 # on after a switch (fewer near the end of the answer).
 SWITCH_HORIZON = 8
+# Back-off: each try of an option that is then still not chosen on its estimate doubles the wait before its
+# next try, up to 2**BACKOFF_MAX times the steady interval; choosing it on its estimate, or a new temperature
+# (acceptance differs most between greedy and sampled decoding), starts the waits over.
+BACKOFF_MAX = 3
 # The longest chain a steady try of the draft drafts (the early tries draft up to sps's K): a try that tests
 # the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
 # whole on whichever answer it falls in.
@@ -242,6 +250,10 @@ class AutoState:
     seconds: Ewma = field(default_factory=lambda: Ewma(0.02))
     since: dict[str, int] = field(default_factory=dict)  # steps since each option was last taken
     taken: dict[str, int] = field(default_factory=dict)  # steps each option was taken, ever
+    # Steady tries of each option since it was last chosen on its estimate (explore_interval's back-off), and
+    # the temperature they were made at: a new one starts the back-off over.
+    backoff: dict[str, int] = field(default_factory=dict)
+    temperature: float | None = None
     # False: keep the times the device cost gave and learn only acceptance (tests pin a synthetic device so).
     learn_timing: bool = True
 
@@ -329,20 +341,26 @@ def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curv
     return best
 
 
-def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int) -> int:
+def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int, backoff: int = 0) -> int:
     """Steps to wait before trying an option the estimates call worse by `extra_steps` plain steps a try.
 
     Steady: the try costs at most `budget` / n_options of the time, and at least
-    MIN_EXPLORE_INTERVAL steps pass. While the option has been taken fewer
-    than EARLY_TRIES times its estimate is mostly prior, so the wait starts at
-    EARLY_INTERVAL steps with EARLY_BUDGET_FACTOR x the budget, doubling per try.
+    MIN_EXPLORE_INTERVAL steps pass; `backoff` tries in a row that left the
+    option worse (still not chosen on its estimate) double the wait each, up
+    to 2**BACKOFF_MAX times: the cost of confirming, again and again, that an
+    option does not pay falls to an eighth of the budget, as retries back off
+    in TCP. While the option has been taken fewer than EARLY_TRIES times its
+    estimate is mostly prior, so the wait starts at EARLY_INTERVAL steps with
+    EARLY_BUDGET_FACTOR x the budget, doubling per try.
     """
     if budget <= 0:
         return 1 << 30
     early = max(EARLY_TRIES - taken, 0)
     share = budget * min(EARLY_BUDGET_FACTOR, 2 ** early) / max(n_options, 1)
-    floor = MIN_EXPLORE_INTERVAL if not early else min(MIN_EXPLORE_INTERVAL, EARLY_INTERVAL << taken)
-    return max(floor, math.ceil(max(extra_steps, 0.0) / share))
+    if early:
+        return max(min(MIN_EXPLORE_INTERVAL, EARLY_INTERVAL << taken), math.ceil(max(extra_steps, 0.0) / share))
+    steady = max(MIN_EXPLORE_INTERVAL, math.ceil(max(extra_steps, 0.0) / share))
+    return steady << min(max(backoff, 0), BACKOFF_MAX)
 
 
 class AutoDecoding:
@@ -395,6 +413,9 @@ class _Generation:
         self.lookup_accept: list[float] = []
         self.lookup_calibration = Calibration()
         self._why_text, self._why_option, self._why_step = "", "", 0
+        if self.state.temperature != params.temperature:  # what the tries confirmed held at another temperature
+            self.state.backoff.clear()
+            self.state.temperature = params.temperature
 
     # -- prefill -------------------------------------------------------------
 
@@ -434,9 +455,11 @@ class _Generation:
             return max(plain, st.tokens.value / st.seconds.value)
         return plain
 
-    def _interval(self, extra_seconds: float, t_plain: float, n_options: int, taken: int) -> int:
-        """Steps between explorations of an option costing `extra_seconds` over a plain step, taken `taken` times."""
-        return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options, taken)
+    def _interval(self, extra_seconds: float, t_plain: float, n_options: int, option: str) -> int:
+        """Steps between explorations of an option costing `extra_seconds` over a plain step."""
+        st = self.state
+        return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options,
+                                st.taken.get(option, 0), st.backoff.get(option, 0))
 
     def decide(self, lookup: list[int], match: int) -> Choice:
         st, run = self.state, self.run
@@ -481,7 +504,7 @@ class _Generation:
             early = taken < EARLY_TRIES
             if not early:  # a try pays its switch in full; the early tries come once per engine, so what
                 extra += o.switch  # the draft catches up on then is bounded
-            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), taken):
+            if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), o.option):
                 return Choice(o.option, self._try_length(o, early), o.tokens, o.seconds,
                               f"{o.option} — {TRYING}", True)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
@@ -648,6 +671,11 @@ class _Generation:
         self.explored += choice.explore
         for option in (DRAFT, LOOKUP, LOOKAHEAD):
             st.since[option] = 0 if option == choice.option else st.since.get(option, 0) + 1
+        if choice.explore:
+            if st.taken.get(choice.option, 0) >= EARLY_TRIES:
+                st.backoff[choice.option] = st.backoff.get(choice.option, 0) + 1
+        elif choice.option != PLAIN:
+            st.backoff.pop(choice.option, None)  # chosen on its estimate: its tries start over
         st.taken[choice.option] = st.taken.get(choice.option, 0) + 1
         before = len(run.output)
         if choice.option == LOOKAHEAD and self.window is not None:
