@@ -53,6 +53,8 @@ class ConfigResult:
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     greedy_match: bool | None = None  # None: not checked (sampling)
+    # Greedy runs whose output differed from ar's: where ({"category", "repeat", "token": first differing index}).
+    greedy_mismatches: list[dict[str, object]] = field(default_factory=list)
 
     def add(self, done: Done, cost: BatchCost | None, draft_cost: float, category: str) -> None:
         s = done.stats
@@ -91,6 +93,7 @@ class ConfigResult:
             "tokens_per_forward": round(tokens_per_forward, 4),
             "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "greedy_matches_ar": self.greedy_match,
+            "greedy_mismatches": self.greedy_mismatches,
             "choices_by_category": {c: dict(sorted(m.items())) for c, m in self.choices_by_category.items()},
             "tokens_by_source": dict(sorted(self.tokens_by_source.items())),
         }
@@ -156,7 +159,10 @@ def run_bench(
             for n, res in enumerate(results):
                 done = dones[n]
                 if n and params.greedy:
-                    res.greedy_match = res.greedy_match is not False and done.tokens == base.tokens
+                    at = first_difference(done.tokens, base.tokens)
+                    res.greedy_match = res.greedy_match is not False and at is None
+                    if at is not None:
+                        res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at})
                 ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
                 res.ratios.append(ratio)
                 res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
@@ -180,6 +186,26 @@ def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[Batch
     if engine.draft is not None:
         engine.draft.reset()
     return measured.batch, measured.draft
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (one ending first counts there); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mismatch_lines(rows: list[dict[str, object]]) -> list[str]:
+    """One line per configuration whose greedy output differed from ar's, saying on which runs and where."""
+    lines = []
+    for r in rows:
+        where = r.get("greedy_mismatches") or []
+        if where:
+            runs = ", ".join(f"{m['category']} (repeat {m['repeat']}) from token {m['token']}"
+                             for m in where)  # type: ignore[index, union-attr]
+            lines.append(f"{r['label']}: greedy output differs from ar's on {runs}")
+    return lines
 
 
 def format_table(rows: list[dict[str, object]]) -> str:

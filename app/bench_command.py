@@ -7,7 +7,7 @@ import json
 import platform
 import sys
 from pathlib import Path
-from app.bench import BenchConfig, format_table, measure_costs, run_bench
+from app.bench import BenchConfig, format_table, measure_costs, mismatch_lines, run_bench
 from app.errors import print_progress
 from app.bench_plot import write_plot
 from app.chat_template import ChatMessage
@@ -111,6 +111,9 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     png_path = write_plot(report, out / "bench.png")
     print(format_table(rows))
+    mismatches = mismatch_lines(rows)
+    if mismatches:
+        print("\n" + "\n".join(mismatches))
     if cost:
         curve = " ".join(f"{v:.2f}" for v in report["batch_cost"][:16])
         print(f"\nbatch cost T(k)/T(1), k=1..: {curve}" + (f"; one draft token = {draft_cost:.2f} target tokens" if draft else ""))

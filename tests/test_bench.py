@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import format_table
+from app.bench import first_difference, format_table, mismatch_lines
 from app.bench_command import build_configs
 from app.prompt_sets import BUILTIN, load_prompt_set
 from backends.cost import BatchCost, best_chain_speedup, expected_tokens
@@ -19,7 +19,7 @@ from backends.engine import StrategyOptions
 RESULT_KEYS = {
     "label", "strategy", "tokens_per_second", "tokens_per_second_min", "tokens_per_second_max", "speedup",
     "speedup_by_category", "acceptance_rate", "tokens_per_forward", "accepted_per_position",
-    "greedy_matches_ar", "predicted_speedup",
+    "greedy_matches_ar", "greedy_mismatches", "predicted_speedup",
 }
 
 
@@ -59,6 +59,7 @@ def test_bench_json_schema(bench_run) -> None:
         assert set(row["speedup_by_category"]) == {p.category for p in BUILTIN}
     for row in report["results"][1:]:
         assert row["greedy_matches_ar"], f"{row['label']} differs from ar at temperature 0"
+        assert row["greedy_mismatches"] == [], row["greedy_mismatches"]
     assert report["results"][0]["speedup"] == 1.0
 
 
@@ -102,6 +103,16 @@ def test_table_formats_rows() -> None:
            "greedy_matches_ar": False, "accepted_per_position": [0.9, 0.5]}
     line = format_table([row]).splitlines()[2]
     assert "1.50" in line and "NO" in line and "0.90 0.50" in line
+
+
+def test_a_greedy_mismatch_says_where() -> None:
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2, "an output ending early differs where it ends"
+    rows = [{"label": "ar", "greedy_mismatches": []},
+            {"label": "auto", "greedy_mismatches": [{"category": "qa", "repeat": 2, "token": 28}]}]
+    assert mismatch_lines(rows) == ["auto: greedy output differs from ar's on qa (repeat 2) from token 28"]
+    assert mismatch_lines([{"label": "sps"}]) == [], "sampling runs are not compared"
 
 
 def test_bench_rotates_the_order_and_runs_an_aa_control(tiny, tmp_path: Path) -> None:
