@@ -22,7 +22,7 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[st
 
 def test_text_on_stdout_stats_on_stderr(tiny) -> None:
     r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "24", "--stats", "--no-color",
-             "-s", "sps")
+             "-s", "sps", "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() and "tok/s" not in r.stdout
     assert "strategy sps" in r.stderr and "tok/s" in r.stderr and "drafted" in r.stderr
@@ -56,7 +56,7 @@ def test_prompt_from_stdin_matches_argument(tiny) -> None:
 
 def test_color_view_marks_accepted_and_rejected(tiny) -> None:
     r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--color",
-             "--draft-p-min", "0", "-s", "sps")
+             "--draft-p-min", "0", "-s", "sps", "--seed", "1")
     assert r.returncode == 0
     assert "\x1b[32m" in r.stdout  # accepted: green
     assert "\x1b[9;31m" in r.stdout or "\x1b[31;9m" in r.stdout  # rejected: red, struck through
@@ -70,7 +70,10 @@ def test_prompt_longer_than_context(tiny) -> None:
 
 
 def test_generation_stops_at_context_end(tiny) -> None:
-    r = _cli("run", "the cat", "-m", str(tiny.target), "-md", str(tiny.draft), "-c", "256", "-n", "400", "--json")
+    # Greedy: sampled at the default temperature, the tiny model ends by eos before the context's end in
+    # some seeds (a flaky failure in CI); greedy, it runs on past 3500 tokens.
+    r = _cli("run", "the cat", "-m", str(tiny.target), "-md", str(tiny.draft), "-c", "256", "-n", "400", "--json",
+             "--temp", "0")
     assert r.returncode == 0, r.stderr
     done = json.loads(r.stdout.splitlines()[-1])
     assert done["reason"] == "length" and done["stats"]["prompt_tokens"] + len(done["tokens"]) == 257
