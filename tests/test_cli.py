@@ -104,7 +104,7 @@ def test_stop_string_ends_generation(tiny) -> None:
 def test_ctrl_c_stops_cleanly_with_text_so_far(demo_pair) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "run", "Once upon a time", "-m", str(demo_pair.target), "-s", "ar",
-         "-n", "2000", "--no-color", "--stats"],
+         "-n", "2000", "--no-color", "--stats", "--temp", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     first = proc.stdout.read(20)  # wait until text streams

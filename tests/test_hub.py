@@ -60,7 +60,7 @@ def test_pull_a_pair_then_generate_by_alias(catalog_hub: FakeHub, capsys) -> Non
         assert _sha(local.path) == catalog_hub.sha256(repo, name)
     assert "compatible: qwen2.5-0.5b-instruct can speculate for qwen2.5-7b-instruct" in out
     rc, out, err = _cli(capsys, "run", "the cat", "-m", "qwen2.5-7b-instruct", "-md", "qwen2.5-0.5b-instruct",
-                        "-n", "8", "-t", "1", "--json")
+                        "-n", "8", "-t", "1", "--json", "--temp", "0")
     assert rc == 0, err
     assert json.loads(out.splitlines()[-1])["stats"]["generated_tokens"] == 8
 

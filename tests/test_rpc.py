@@ -190,8 +190,8 @@ def test_a_lost_server_ends_the_chat_app_with_the_terminal_restored(tiny, tmp_pa
                SPECCHAT_DATA_DIR=str(tmp_path / "data"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "chat", "-m", str(tiny.target), "-s", "ar", "-t", "1", "-c", "4096",
-         "-n", "4000", "--rpc", server.endpoint], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
-        start_new_session=True)
+         "-n", "4000", "--temp", "0", "--rpc", server.endpoint],  # greedy: a sampled eos could end it first
+        stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env, start_new_session=True)
     out = bytearray()
 
     def pump(done, seconds: float) -> None:
