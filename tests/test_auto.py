@@ -56,20 +56,20 @@ def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int 
 # -- the decision rule, pure ------------------------------------------------------------------------------------------
 
 def test_flat_curve_and_high_acceptance_speculate_long() -> None:
-    k, tokens, seconds = best_chain_length([0.9] * 10, rate=100.0, t_plain=0.01, curve=lambda _k: 1.0, per_row=0.0)
+    k, tokens, seconds = best_chain_length([0.9] * 10, rate=100.0, t_plain=0.01, curve=lambda _k: 1.0)
     assert k == 10 and tokens > 6 and seconds == pytest.approx(0.01)
 
 
 def test_steep_curve_and_low_acceptance_stay_plain() -> None:
-    k, tokens, _ = best_chain_length([0.3] * 10, rate=100.0, t_plain=0.01, curve=lambda k: float(k), per_row=0.0)
+    k, tokens, _ = best_chain_length([0.3] * 10, rate=100.0, t_plain=0.01, curve=lambda k: float(k))
     assert k == 0 and tokens == 1.0
 
 
 def test_chain_stops_where_the_next_token_costs_more_than_it_brings() -> None:
     """T(k)/T(1) = 1 + 0.2 (k-1), acceptance 0.5 per token: the i-th token brings 0.5^i, costs 0.2 plain steps."""
-    k, _, _ = best_chain_length([0.5] * 10, rate=100.0, t_plain=0.01, curve=lambda k: 1 + 0.2 * (k - 1), per_row=0.0)
+    k, _, _ = best_chain_length([0.5] * 10, rate=100.0, t_plain=0.01, curve=lambda k: 1 + 0.2 * (k - 1))
     assert k == 2  # 0.5 and 0.25 pay for 0.2 each; 0.125 does not
-    k_draft, _, _ = best_chain_length([0.5] * 10, 100.0, 0.01, lambda k: 1 + 0.2 * (k - 1), 0.0, per_token=0.002)
+    k_draft, _, _ = best_chain_length([0.5] * 10, 100.0, 0.01, lambda k: 1 + 0.2 * (k - 1), per_token=0.002)
     assert k_draft == 1, "a draft token's own cost (0.2 plain steps) shortens the chain"
 
 
@@ -128,7 +128,7 @@ def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> 
     assert expected_chain_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
     cal = Calibration()
     assert cal.factor() == 1.0  # no lookup step yet: the counts alone
-    k, _, _ = best_chain_length(accept, rate, 0.01, curve.relative, 0.0)
+    k, _, _ = best_chain_length(accept, rate, 0.01, curve.relative)
     assert k == len(accept)
     promised = expected_chain_tokens(accept, k) - 1
     cal.add(0.0, promised)
@@ -137,7 +137,7 @@ def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> 
         cal.add(0.25, promised)
     f = cal.factor()
     assert f < 0.25
-    assert best_chain_length([accept[0] * f, *accept[1:]], rate, 0.01, curve.relative, 0.0)[0] == 0
+    assert best_chain_length([accept[0] * f, *accept[1:]], rate, 0.01, curve.relative)[0] == 0
     for _ in range(30):  # copying again: more than predicted
         cal.add(6.0, 3.0)
     assert cal.factor() > 1.8
@@ -170,6 +170,52 @@ def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
         gen.run.output[:] = []
         context.extend([context[-1]] * 90)
         assert gen.decide([], 0).option == "plain", "100 tokens behind: the catch-up costs more than it brings"
+    finally:
+        engine.close()
+
+
+def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verification_batches_take(tiny) -> None:
+    """The measured curve says a batch of 2 costs 1.6 plain steps (a fast spell while T(1) alone was timed can
+    make such a curve, and it is kept on disk for a month); verification batches keep taking 1.3. Its extra
+    cost beyond one token is scaled by what the batches took against what it predicted (decayed sums, 2 plain
+    steps of prior), so T(2)/T(1) goes to ~1.3 and a one-token lookup accepted 40% of the time, a loss on the
+    measured curve, pays on the corrected one. Batches dearer than measured make the curve steeper."""
+    curve = BatchCost(tuple(0.01 * (1.0 if k == 1 else 0.8 + 0.4 * k) for k in range(1, 17)))
+    engine = _engine(tiny, None, DeviceCost(curve, 0.0))
+    try:
+        gen = _Generation(AutoDecoding(engine, StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
+                          GenParams(max_tokens=64))
+        gen.prefill()
+        rate = 1 / 0.01
+        assert gen.relative(2) == pytest.approx(1.6) and gen.relative(3) == pytest.approx(2.0)
+        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "on the measured curve: plain"
+        for _ in range(300):  # every batch of 2 took 1.3 plain steps: 0.3 extra where the curve predicted 0.6
+            engine.auto_state.batch_scale.add(0.3, 0.6)
+        assert gen.relative(2) == pytest.approx(1.3, abs=0.03)
+        assert gen.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
+        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "on the corrected one: lookup"
+        engine.auto_state = AutoState(learn_timing=False)
+        gen = _Generation(AutoDecoding(engine, StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
+                          GenParams(max_tokens=64))
+        gen.prefill()
+        for _ in range(300):
+            engine.auto_state.batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
+        assert gen.relative(2) == pytest.approx(2.2, abs=0.05)
+    finally:
+        engine.close()
+
+
+def test_real_verification_batches_feed_the_curve_correction(tiny) -> None:
+    """Learning its timing (as outside these tests), auto's lookup steps on a copying prompt are timed against
+    the curve's prediction: the correction has seen them."""
+    engine = _engine(tiny, None, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.0))
+    engine.auto_state = AutoState()  # learns timing
+    try:
+        prompt = _copying_prompt(engine)
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48))
+        assert done.stats.steps_by_choice.get("lookup", 0) > 0
+        scale = engine.auto_state.batch_scale
+        assert scale.predicted > 0 and scale.real != 0.0 and scale.factor() != 1.0
     finally:
         engine.close()
 

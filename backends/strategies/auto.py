@@ -36,9 +36,14 @@ switch-off at low acceptance is its special case. The inputs:
     answer, while the next answer starts from the counts alone;
   - seconds: the device's batch cost curve T(k)/T(1) and the draft's cost
     (measured once per model files, threads and build, cached on disk:
-    Engine.device_cost), scaled by the live time of a plain step; plus the
-    Python overhead per verified row and per draft token, measured live as
-    the residual of every step against that prediction.
+    Engine.device_cost), scaled by the live time of a plain step and of a
+    draft decode. The curve's extra cost beyond one token is scaled by what
+    verification batches really take against what it predicts (the ratio of
+    decayed sums, `Calibration`), which also covers the Python work per
+    verified row: a curve measured once in a fast or slow spell of a shared
+    machine (a batch of 2 measured at 1.6x one token where verification
+    batches take 1.3x) would otherwise steer every decision for as long as
+    it is kept.
 The draft decodes only when used, so switching to it after a stretch of other
 steps first catches it up on that stretch: a one-off cost, which its expected
 gain must pay back within SWITCH_HORIZON steps (fewer near the end of the
@@ -134,6 +139,9 @@ BACKOFF_MAX = 3
 # the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
 # whole on whichever answer it falls in.
 TRY_DRAFT_MAX = 3
+# The least the batch cost curve's extra cost is scaled by (Calibration can approach 0 when verification batches
+# keep taking no longer than a plain step, as they may on a GPU): a row is never taken as free.
+MIN_CURVE_SCALE = 0.1
 
 
 class Acceptance:
@@ -239,10 +247,12 @@ class AutoState:
     lookahead_cost: Ewma = field(default_factory=lambda: Ewma(0.1))
     draft_step_tokens: Ewma = field(default_factory=lambda: Ewma(0.1))
     draft_step_cost: Ewma = field(default_factory=lambda: Ewma(0.1))
-    # Seconds: a plain step; one draft decode; Python overhead per verified row.
+    # Seconds: a plain step; one draft decode.
     t_plain: Ewma = field(default_factory=lambda: Ewma(0.1))
     t_draft: Ewma = field(default_factory=lambda: Ewma(0.1))
-    row_overhead: Ewma = field(default_factory=lambda: Ewma(0.1))
+    # The measured curve's error: the extra time (in plain steps, beyond one) that verification batches really
+    # took, against what the curve predicted for them, as a ratio of decayed sums (see Calibration).
+    batch_scale: "Calibration" = field(default_factory=lambda: Calibration(prior=2.0, decay=0.98))
     # Seconds per token for the draft to catch up on tokens decoded while it stood by (a batched decode).
     catch_up: Ewma = field(default_factory=lambda: Ewma(0.1))
     # Throughput reached: EWMA of tokens and of seconds per step.
@@ -305,12 +315,14 @@ def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
 
 @dataclass
 class Calibration:
-    """How far lookup's counts can be trusted in this answer: the extra tokens (beyond the one every step
-    gives) its lookup steps gave, against what the counts predicted for them.
+    """How far a prediction can be trusted: what really came, against what was predicted, over the last
+    observations. For lookup's counts in this answer: the extra tokens (beyond the one every step gives) its
+    lookup steps gave, against what the counts predicted; for the batch cost curve: the extra time (beyond a
+    plain step) verification batches took, against what the curve predicted.
 
-    The ratio of decayed sums, each with `prior` tokens added, so that it starts at 1 and moves by evidence
-    in tokens: one lookup that promised 6 extra tokens and gave none takes it to 2/8, while one that
-    promised 0.5 and gave none only to 2/2.5. `decay` per lookup step follows the text.
+    The ratio of decayed sums, each with `prior` added, so that it starts at 1 and moves by evidence in the
+    predicted unit: one lookup that promised 6 extra tokens and gave none takes it to 2/8, while one that
+    promised 0.5 and gave none only to 2/2.5. `decay` per observation follows the text (or the machine).
     """
 
     prior: float = 2.0
@@ -327,15 +339,15 @@ class Calibration:
 
 
 def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
-                      per_row: float, per_token: float = 0.0) -> tuple[int, float, float]:
+                      per_token: float = 0.0) -> tuple[int, float, float]:
     """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
 
     `accept` as for `running_expected_tokens`; verifying k proposals costs
-    t_plain * T(k+1)/T(1) + k * (per_row + per_token).
+    t_plain * T(k+1)/T(1) + k * per_token.
     """
     best = (0, 1.0, t_plain)
     for i, expected in enumerate(running_expected_tokens(accept), start=1):
-        seconds = t_plain * curve(i + 1) + i * (per_row + per_token)
+        seconds = t_plain * curve(i + 1) + i * per_token
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (i, expected, seconds)
     return best
@@ -437,7 +449,15 @@ class _Generation:
     # -- the cost model ------------------------------------------------------
 
     def relative(self, k: float) -> float:
-        """T(k)/T(1); without a measured curve, as steep as it gets (speculation never pays)."""
+        """T(k)/T(1): the measured curve, its extra cost beyond one token scaled by what verification batches
+        really took (AutoState.batch_scale)."""
+        base = self._curve_relative(k)
+        if self.curve is None:
+            return base
+        return 1.0 + max(self.state.batch_scale.factor(), MIN_CURVE_SCALE) * (base - 1.0)
+
+    def _curve_relative(self, k: float) -> float:
+        """T(k)/T(1) as measured; without a measured curve, as steep as it gets (speculation never pays)."""
         if self.curve is None:
             return float(k)
         if k > len(self.curve.seconds):  # beyond the measurement: grow linearly from its last slope
@@ -466,7 +486,6 @@ class _Generation:
         room = run.room() - 1
         t_plain = st.t_plain.get(self.t1 or 1.0)
         rate = self.rate()
-        row = max(st.row_overhead.get(0.0), 0.0)
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if lookup and room > 0:
@@ -475,9 +494,9 @@ class _Generation:
             # Scaling the first position's chance scales every length's expected extra tokens alike.
             accept = list(self.lookup_accept)
             accept[0] = min(accept[0] * self.lookup_calibration.factor(), 0.99)
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row)
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative)
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
-                           self._chain_of_one(LOOKUP, accept[0], t_plain, row))
+                           self._chain_of_one(LOOKUP, accept[0], t_plain, 0.0))
         if self.draft is not None and room > 0:
             k_max = min(self.cfg.draft_max, room)
             if st.draft_step_tokens.value is not None and st.draft_step_cost.value is not None:
@@ -486,9 +505,9 @@ class _Generation:
             else:  # before any draft step: from the acceptance by position
                 t_draft = self.t_draft(t_plain)
                 accept = [st.draft_by_pos.p(i) for i in range(k_max)]
-                k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, row, t_draft)
+                k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative, t_draft)
                 draft = Choice(DRAFT, k_max, tokens, seconds) if k else \
-                    self._chain_of_one(DRAFT, accept[0], t_plain, row + t_draft)
+                    self._chain_of_one(DRAFT, accept[0], t_plain, t_draft)
             options.append(replace(draft, length=k_max, switch=self.catch_up_seconds(t_plain),
                                    horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON))))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
@@ -584,7 +603,6 @@ class _Generation:
         rate = self.rate()
         t_plain = st.t_plain.get(self.t1 or 1.0)
         t_draft = self.t_draft(t_plain)
-        row = max(st.row_overhead.get(0.0), 0.0)
         tokens: list[int] = []
         dists: list[np.ndarray] = []
         confs: list[float] = []
@@ -619,7 +637,7 @@ class _Generation:
             if explore:
                 stop = i > 0 and conf < self.sps.p_min
             else:
-                stop = reach * a - rate * (t_plain * (self.relative(i + 2) - self.relative(i + 1)) + row) <= 0
+                stop = reach * a - rate * t_plain * (self.relative(i + 2) - self.relative(i + 1)) <= 0
             if stop:
                 if not params.greedy:
                     dists.pop()
@@ -632,7 +650,7 @@ class _Generation:
                 last = i + 1 >= k_max
             else:
                 last = i + 1 >= k_max or \
-                    self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft, row) <= 0
+                    self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft) <= 0
             if last:
                 break
             draft.extend([tok])
@@ -642,7 +660,7 @@ class _Generation:
         return tokens, dists, confs
 
     def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
-                       t_draft: float, row: float) -> float:
+                       t_draft: float) -> float:
         """What drafting more after n tokens is worth at best: over m = 1.. more tokens, each accepted with
         chance `a` (the last one's: a draft's confidence runs in streaks), the expected tokens minus rate
         times their draft decode and batch row; the best m's sum. Looking past the next token matters: with
@@ -651,7 +669,7 @@ class _Generation:
         best = total = 0.0
         for m in range(n, k_max):
             reach *= a
-            total += reach - rate * (t_draft + t_plain * (self.relative(m + 2) - self.relative(m + 1)) + row)
+            total += reach - rate * (t_draft + t_plain * (self.relative(m + 2) - self.relative(m + 1)))
             best = max(best, total)
             if reach < 0.05:
                 break
@@ -706,7 +724,8 @@ class _Generation:
             st.time(st.t_plain, seconds)
             return
         t_plain = st.t_plain.get(self.t1 or seconds)
-        st.time(st.row_overhead, (seconds - t_plain * self.relative(len(drafts) + 1)) / len(drafts))
+        if st.learn_timing:
+            st.batch_scale.add(seconds / t_plain - 1.0, self._curve_relative(len(drafts) + 1) - 1.0)
         # The proposals the target looked at: the accepted ones and the first refused one.
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted

@@ -43,6 +43,11 @@ from backends.strategies import auto as auto_module  # noqa: E402
 AUTO_FIELDS = {f.name for f in fields(AutoConfig)}
 
 
+def _typed(current: object, value: str) -> object:
+    """`value` as the type of the setting it replaces (a bool from 0 or 1)."""
+    return bool(int(value)) if isinstance(current, bool) else type(current)(value)
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, object], dict[str, object]]:
     """'name:k=v,k=v' -> (name, AutoConfig changes, module constants)."""
     name, _, spec = text.partition(":")
@@ -51,11 +56,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, object], dict[str, object]]
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key in AUTO_FIELDS:
-            current = getattr(AutoConfig(), key)
-            config[key] = bool(int(value)) if isinstance(current, bool) else type(current)(value)
+            config[key] = _typed(getattr(AutoConfig(), key), value)
         elif hasattr(auto_module, key):
-            current = getattr(auto_module, key)
-            constants[key] = type(current)(value)
+            constants[key] = _typed(getattr(auto_module, key), value)
         else:
             raise SystemExit(f"auto_ab: {key!r} is neither an AutoConfig field nor a constant of the auto module")
     return name, config, constants
