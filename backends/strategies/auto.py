@@ -725,7 +725,10 @@ class _Generation:
             return
         t_plain = st.t_plain.get(self.t1 or seconds)
         if st.learn_timing:
-            st.batch_scale.add(seconds / t_plain - 1.0, self._curve_relative(len(drafts) + 1) - 1.0)
+            predicted = self._curve_relative(len(drafts) + 1) - 1.0
+            # A step interrupted (another process, a pause of the collector) says nothing about the curve:
+            # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
+            st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
         # The proposals the target looked at: the accepted ones and the first refused one.
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted
