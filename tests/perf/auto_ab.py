@@ -57,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, object], dict[str, object]]
         key, _, value = item.partition("=")
         if key in AUTO_FIELDS:
             config[key] = _typed(getattr(AutoConfig(), key), value)
-        elif hasattr(auto_module, key):
+        elif key.isupper() and hasattr(auto_module, key):
             constants[key] = _typed(getattr(auto_module, key), value)
         else:
             raise SystemExit(f"auto_ab: {key!r} is neither an AutoConfig field nor a constant of the auto module")
