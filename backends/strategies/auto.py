@@ -723,8 +723,8 @@ class _Generation:
         if not drafts:
             st.time(st.t_plain, seconds)
             return
-        t_plain = st.t_plain.get(self.t1 or seconds)
         if st.learn_timing:
+            t_plain = st.t_plain.get(self.t1 or seconds)
             predicted = self._curve_relative(len(drafts) + 1) - 1.0
             # A step interrupted (another process, a pause of the collector) says nothing about the curve:
             # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.

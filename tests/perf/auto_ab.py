@@ -29,13 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from app.bench import BenchConfig  # noqa: E402
+from app.bench import _run as run_config  # noqa: E402
 from app.bench_command import bench_tokens  # noqa: E402
 from app.cli import build_parser, settings_from_args  # noqa: E402
 from app.loading import open_engine  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.config import AutoConfig  # noqa: E402
-from backends.events import Done, until_done  # noqa: E402
+from backends.events import Done  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from backends.strategies import auto as auto_module  # noqa: E402
@@ -87,17 +89,15 @@ def main() -> int:
         mix = {n: {} for n in names}  # name -> choice -> forwards
 
         def run(name: str, tokens: list[int], params: GenParams) -> Done:
-            engine.target.reset()
-            if engine.draft is not None:
-                engine.draft.reset()
+            """One run with fresh caches (the bench's own), as `ar` or as the variant `name` with its state."""
             if name.startswith("ar"):
-                return until_done(engine.strategy("ar", settings.options).generate(tokens, params))
+                return run_config(engine, BenchConfig(name, "ar", settings.options), tokens, params)
             _, config, constants = next(v for v in variants if v[0] == name)
             engine.auto_state = states[name]
             for k, v in {**defaults, **constants}.items():
                 setattr(auto_module, k, v)
             options = replace(settings.options, auto=replace(settings.options.auto, **config))
-            done = until_done(engine.strategy("auto", options).generate(tokens, params))
+            done = run_config(engine, BenchConfig(name, "auto", options), tokens, params)
             states[name] = engine.auto_state
             return done
 
@@ -111,8 +111,6 @@ def main() -> int:
                 speed = {}
                 for name in names[first:] + names[:first]:
                     done = run(name, tokens, p)
-                    if done.reason == "error":
-                        raise SystemExit(f"auto_ab: {name}: {done.error}")
                     speed[name] = done.stats.tokens_per_second
                     for choice, n in done.stats.steps_by_choice.items():
                         mix[name][choice] = mix[name].get(choice, 0) + n
