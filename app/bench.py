@@ -9,7 +9,10 @@ time: its ratio to `ar` is the machine's own noise, the band within which a
 configuration's ratio says nothing. The device's batch cost curve
 (backends.cost) turns each configuration's measured tokens per forward and
 drafts per forward into the speedup that llama.cpp's decode times alone
-would allow, so the table shows how close each runs to its limit.
+would allow, so the table shows how close each runs to its limit. `auto`
+starts from nothing learnt (Engine.learn_afresh) and learns across the run,
+as over one long conversation: its first tries fall in the warm-up and the
+first repeat.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ def run_bench(
     the run before left in the caches, then falls on each alike.
     """
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
+    # `auto` starts from nothing learnt, as on a new machine, so that the figures do not depend on what earlier
+    # sessions kept; what it learns here is still kept for later ones.
+    engine.learn_afresh()
     results = [ConfigResult(c) for c in configs]
     warm = GenParams(max_tokens=min(16, params.max_tokens), temperature=params.temperature, seed=params.seed)
     for c in configs:

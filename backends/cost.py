@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from backends.kv import KvSequence
-from models.files import write_atomic
+from backends.store import MONTH, JsonStore
 
 
 @dataclass(frozen=True)
@@ -123,51 +123,24 @@ def cost_key(target: Path, draft: Path | None, threads: int, build: str, placeme
 
 
 class CostCache:
-    """Device costs measured before, in one JSON file, so a new session's first turn pays no calibration.
+    """Device costs measured before (a backends.store.JsonStore), so a new session's first turn pays no
+    calibration; an entry older than `max_age` seconds is measured again."""
 
-    An entry older than `max_age` seconds is stale (a driver or power-profile
-    change does not alter the key); an unreadable file counts as empty and is
-    rewritten atomically on the next measurement.
-    """
-
-    def __init__(self, path: Path | None, max_age: float = 30 * 24 * 3600) -> None:
-        self.path = path
-        self.max_age = max_age
-
-    def _load(self) -> dict[str, dict]:
-        if self.path is None or not self.path.exists():
-            return {}
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}
+    def __init__(self, path: Path | None, max_age: float = MONTH) -> None:
+        self.store = JsonStore(path, max_age, stamp="measured_at")
 
     def get(self, key: str, now: float | None = None) -> DeviceCost | None:
-        entry = self._load().get(key)
-        if not isinstance(entry, dict):
+        entry = self.store.get(key, now)
+        if entry is None:
             return None
         try:
-            cost = DeviceCost.from_json(entry)
+            return DeviceCost.from_json(entry)
         except (KeyError, TypeError, ValueError):
             return None
-        if (now if now is not None else time.time()) - cost.measured_at > self.max_age:
-            return None
-        return cost
 
     def put(self, key: str, cost: DeviceCost | None) -> None:
         """Store `cost` under `key` (None: forget the entry)."""
-        if self.path is None:
-            return
-        data = self._load()
-        if cost is None:
-            data.pop(key, None)
-        else:
-            data[key] = cost.as_json()
-        try:
-            write_atomic(self.path, json.dumps(data, indent=1) + "\n")
-        except OSError:
-            pass  # a cache that cannot be written only costs a new measurement next time
+        self.store.put(key, None if cost is None else cost.as_json())
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -17,6 +17,7 @@ from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
+from backends.store import JsonStore
 from backends.strategies.base import Strategy
 from models.compat import require_compatible
 from models.errors import ModelError
@@ -25,6 +26,7 @@ from models.paths import data_dir
 
 __all__ = ["Engine", "EngineConfig", "StrategyOptions", "STRATEGIES", "NEEDS_DRAFT", "n_seq_needed"]
 COST_CACHE_FILE = "device-cost.json"
+LEARNT_FILE = "learnt.json"  # beside the cost cache: what strategies learnt (auto's acceptance estimates)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class EngineConfig:
     rpc: tuple[str, ...] = ()
     # Sequence ids the contexts allow (see n_seq_needed).
     n_seq_max: int = 1
-    # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept.
+    # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept. What
+    # strategies learnt (auto's estimates) is kept beside it, in LEARNT_FILE, or not at all.
     cost_cache: Path | None = None
 
 
@@ -77,10 +80,14 @@ class Engine:
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
             raise
-        self._cost_cache = CostCache(cost_cache_path(config.cost_cache))
+        cost_path = cost_cache_path(config.cost_cache)
+        self._cost_cache = CostCache(cost_path)
         self._cost: DeviceCost | None = None
-        # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation.
+        # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation, and
+        # between sessions in the learnt store (None: read from there when auto first runs).
         self.auto_state: object | None = None
+        self._learnt = JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None)
+        self._read_learnt = True
 
     def tokenize(self, text: str) -> list[int]:
         return self.target_model.tokenize(text, add_special=True, parse_special=True)
@@ -122,6 +129,23 @@ class Engine:
         self._cost = measure_device_cost(self.target, self.draft, context, k_max, repeats)
         self._cost_cache.put(key, self._cost)
         return self._cost
+
+    # -- what strategies learnt, kept between sessions -----------------------
+
+    def learnt(self, name: str) -> dict | None:
+        """What strategy `name` learnt on these model files, threads, build and placement in an earlier
+        session (as it stored it with `keep_learnt`), or None: nothing kept, stale, or `learn_afresh` called."""
+        return self._learnt.get(f"{name}:{self._cost_key()}") if self._read_learnt else None
+
+    def keep_learnt(self, name: str, entry: dict) -> None:
+        """Keep what strategy `name` learnt (a JSON object with a `saved_at` time stamp) for later sessions."""
+        self._learnt.put(f"{name}:{self._cost_key()}", entry)
+
+    def learn_afresh(self) -> None:
+        """Strategies start from nothing learnt, here and for the rest of this engine's life (what they learn
+        is still kept): `specchat bench` does, so that its figures do not depend on earlier sessions."""
+        self.auto_state = None
+        self._read_learnt = False
 
     def close(self) -> None:
         for seq in (self.target, self.draft):

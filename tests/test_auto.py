@@ -273,6 +273,102 @@ def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) ->
         second.close()
 
 
+# -- what auto learnt, kept between sessions --------------------------------------------------------------------------
+
+def _learnt_state() -> AutoState:
+    """A state with something learnt in every kind of estimate."""
+    st = AutoState()
+    for i in range(6):
+        st.draft_by_conf.update(confidence_bin(0.85), i % 3 != 0)
+        st.draft_by_pos.update(i % 2, i < 4)
+        st.lookup.update(lookup_key(10, i % 2), True)
+        st.t_plain.add(0.02 + 0.001 * i)
+        st.draft_step_tokens.add(2.5)
+    st.batch_scale.add(0.3, 0.6)
+    st.taken.update(plain=40, draft=6, lookup=5)
+    st.backoff["lookahead"] = 2
+    st.since["draft"] = 17
+    st.temperature = 0.8
+    return st
+
+
+def test_auto_state_round_trips_through_json_and_anything_malformed_starts_afresh() -> None:
+    import json
+    st = _learnt_state()
+    back = AutoState.from_json(json.loads(json.dumps(st.to_json())))
+    for key in (confidence_bin(0.85), confidence_bin(0.15)):
+        assert back.draft_by_conf.p(key) == pytest.approx(st.draft_by_conf.p(key))
+    assert back.draft_by_pos.p(1) == pytest.approx(st.draft_by_pos.p(1)) != pytest.approx(0.5)
+    assert back.lookup.p((10, 1)) == pytest.approx(st.lookup.p((10, 1))) != pytest.approx(lookup_acceptance().p((10, 1)))
+    assert (back.t_plain.value, back.t_plain.n) == (st.t_plain.value, st.t_plain.n)
+    assert back.draft_step_tokens.value == 2.5 and back.lookahead_tokens.value is None
+    assert back.batch_scale.factor() == pytest.approx(st.batch_scale.factor()) != 1.0
+    assert back.taken == st.taken and back.backoff == st.backoff and back.temperature == 0.8
+    assert back.since == {}, "steps since the last try are this session's"
+    fresh = AutoState().to_json()
+    good = st.to_json()
+    for bad in (None, {}, {**good, "format": [0]}, {**good, "taken": ["draft"]}, {**good, "t_plain": [0.1]},
+                {**good, "lookup": [[[10, 1], -1.0, 0.0]]}, {**good, "draft_by_pos": [["x", 1, 1]]}):
+        got = AutoState.from_json(bad).to_json()  # type: ignore[arg-type]
+        assert {k: v for k, v in got.items() if k != "saved_at"} == \
+            {k: v for k, v in fresh.items() if k != "saved_at"}, bad
+
+
+def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_files(tiny, tmp_path: Path) -> None:
+    config = EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1,
+                          cost_cache=tmp_path / "device-cost.json")
+    params = GenParams(max_tokens=64)
+
+    def session(cfg: EngineConfig, afresh: bool = False) -> tuple[dict, list[int]]:
+        """One engine's life: two auto runs; what it learnt, and how many steps of each run were tries."""
+        engine = Engine(cfg)
+        try:
+            if afresh:
+                engine.learn_afresh()
+            tries = []
+            for text in TINY_PROMPTS[:2]:
+                done = run_to_done(engine, "auto", engine.tokenize(text), params)
+                tries.append(int(done.stats.extra["explored_steps"]))  # type: ignore[call-overload]
+            state = engine.auto_state
+            assert isinstance(state, AutoState)
+            return state.to_json(), tries
+        finally:
+            engine.close()
+
+    first, first_tries = session(config)
+    assert first_tries[0] > 0, "a new machine tries the options early"
+    assert (tmp_path / "learnt.json").exists()
+    engine = Engine(config)
+    try:
+        kept = engine.strategy("auto")
+        assert isinstance(engine.auto_state, AutoState) and engine.auto_state.taken == first["taken"]
+        assert engine.auto_state.draft_by_pos.counts() == first["draft_by_pos"]
+        del kept
+    finally:
+        engine.close()
+    _, again_tries = session(config)
+    assert again_tries[0] < first_tries[0], "the next session does not pay the first tries again"
+    # Another thread count is another device: nothing kept applies. A bench starts afresh too (learn_afresh).
+    for cfg, afresh in ((replace(config, threads=2), False), (config, True)):
+        engine = Engine(cfg)
+        try:
+            if afresh:
+                engine.learn_afresh()
+            engine.strategy("auto")
+            assert isinstance(engine.auto_state, AutoState) and engine.auto_state.taken == {}
+        finally:
+            engine.close()
+    afresh, afresh_tries = session(config, afresh=True)
+    assert afresh_tries[0] > 0
+    engine = Engine(config)
+    try:
+        kept_now = engine.learnt("auto")
+        assert kept_now is not None and kept_now["taken"] == afresh["taken"], \
+            "what a fresh start learnt is kept all the same"
+    finally:
+        engine.close()
+
+
 # -- real runs --------------------------------------------------------------------------------------------------------
 
 def test_auto_speculates_on_a_cheap_device_and_not_on_a_dear_one(tiny) -> None:

@@ -8,7 +8,8 @@ run (as one conversation or one bench run would), swapped in before each of
 its runs. A variant is a name and `KEY=VALUE` settings, each either a field of
 AutoConfig (`lookup=0`, `explore_budget=0.005`) or a module constant of
 backends.strategies.auto (`TRY_DRAFT_MAX=2`), set for that variant's runs
-only. `ar` is also run a second time as a control (its ratio is the noise).
+only; `fresh=1` starts each of its runs from nothing learnt instead, as a
+`specchat run` (a new process) does on a machine where nothing was kept. `ar` is also run a second time as a control (its ratio is the noise).
 
 Prints, per variant, the median of the per-run ratios to `ar` in each prompt
 category, their geometric mean and the lowest category, and the share of
@@ -57,7 +58,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, object], dict[str, object]]
     constants: dict[str, object] = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        if key in AUTO_FIELDS:
+        if key == "fresh":
+            constants[key] = bool(int(value))
+        elif key in AUTO_FIELDS:
             config[key] = _typed(getattr(AutoConfig(), key), value)
         elif key.isupper() and hasattr(auto_module, key):
             constants[key] = _typed(getattr(auto_module, key), value)
@@ -77,12 +80,13 @@ def main() -> int:
     bench_args = build_parser().parse_args(["bench", *sys.argv[cut + 1:]])
     settings = settings_from_args(bench_args)
     variants = [parse_variant(v) for v in args.variant]
-    defaults = {k: getattr(auto_module, k) for _, _, c in variants for k in c}
+    defaults = {k: getattr(auto_module, k) for _, _, c in variants for k in c if k != "fresh"}
     engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
     try:
         prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
         tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
         engine.device_cost()  # from the disk cache, or measured once now
+        engine.learn_afresh()  # every variant starts from nothing learnt, whatever earlier sessions kept
         names = ["ar", "ar (control)", *(v[0] for v in variants)]
         states: dict[str, object] = {v[0]: None for v in variants}
         ratios = {n: {} for n in names}  # name -> category -> [ratio]
@@ -93,9 +97,10 @@ def main() -> int:
             if name.startswith("ar"):
                 return run_config(engine, BenchConfig(name, "ar", settings.options), tokens, params)
             _, config, constants = next(v for v in variants if v[0] == name)
-            engine.auto_state = states[name]
+            engine.auto_state = None if constants.get("fresh") else states[name]
             for k, v in {**defaults, **constants}.items():
-                setattr(auto_module, k, v)
+                if k != "fresh":
+                    setattr(auto_module, k, v)
             options = replace(settings.options, auto=replace(settings.options.auto, **config))
             done = run_config(engine, BenchConfig(name, "auto", options), tokens, params)
             states[name] = engine.auto_state
