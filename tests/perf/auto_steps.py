@@ -69,6 +69,7 @@ def main() -> int:
     settings = settings_from_args(bench_args)
     engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
     try:
+        engine.learn_afresh()  # from nothing learnt, as the bench starts, whatever earlier sessions kept
         prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
         tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
         for n in range(args.passes):
