@@ -5,9 +5,11 @@ the thread count, the llama.cpp build, where the layers run) to an entry, a
 JSON object stamped with the time it was made. A stale entry (older than
 `max_age`: a driver update or a new power profile does not change the key)
 reads as absent, and so does an unreadable file: it is rewritten atomically
-on the next `put`. A store without a path keeps nothing. Two processes
-writing the same file lose nothing but the older entry: each write replaces
-the whole file at once (models.files.write_atomic).
+on the next `put`. A store without a path keeps nothing. Each write
+replaces the whole file at once (models.files.write_atomic), so it is never
+left half-written; two processes writing at the same moment (a chat and a
+server on the same models) may lose one's entry, which only costs measuring
+or learning it again.
 
 Used for the device's batch cost curve (backends.cost.CostCache, so a new
 session's first turn pays no calibration) and for what `auto` has learnt of a

@@ -308,7 +308,8 @@ def test_auto_state_round_trips_through_json_and_anything_malformed_starts_afres
     fresh = AutoState().to_json()
     good = st.to_json()
     for bad in (None, {}, {**good, "format": [0]}, {**good, "taken": ["draft"]}, {**good, "t_plain": [0.1]},
-                {**good, "lookup": [[[10, 1], -1.0, 0.0]]}, {**good, "draft_by_pos": [["x", 1, 1]]}):
+                {**good, "lookup": [[[10, 1], -1.0, 0.0]]}, {**good, "draft_by_pos": [["x", 1, 1]]},
+                {**good, "t_plain": [float("nan"), 3]}, {**good, "batch_scale": [float("inf"), 1.0]}):
         got = AutoState.from_json(bad).to_json()  # type: ignore[arg-type]
         assert {k: v for k, v in got.items() if k != "saved_at"} == \
             {k: v for k, v in fresh.items() if k != "saved_at"}, bad

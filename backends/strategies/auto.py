@@ -180,8 +180,8 @@ class Acceptance:
         for key, a, r in counts:
             k = tuple(int(x) for x in key) if isinstance(key, list) else int(key)  # type: ignore[arg-type]
             loaded[k] = [float(a), float(r)]  # type: ignore[arg-type]
-            if min(loaded[k]) < 0:
-                raise ValueError("a negative count")
+            if not all(math.isfinite(x) and x >= 0 for x in loaded[k]):
+                raise ValueError("a count that is negative or not finite")
         self._counts = loaded
 
 
@@ -287,9 +287,9 @@ class AutoState:
             ewma.add(x)
 
     # Kept between sessions (Engine.keep_learnt), so that a new one, or a one-off `specchat run`, does not pay
-    # the first tries again: without it, every 128-token run at temperature 0.8 on the instruct pair spent 16%
-    # of its steps trying options and ran at 0.96x plain decoding (0.87x on its worst prompt), where the state
-    # kept from earlier runs gave 1.08x. `since` is of this session (a new one waits a full interval before
+    # the first tries again: without it, 128-token runs at temperature 0.8 on the instruct pair spent 16% of
+    # their steps trying options and ran at 0.96x plain decoding (geometric mean over the chat prompts; 0.87x
+    # on the worst), where the state kept from earlier runs gave 1.08x. `since` is of this session (a new one waits a full interval before
     # its first try); `learn_timing` is a setting, not learnt.
     NOT_KEPT = ("since", "learn_timing")
     # What the keys of the estimates mean: state kept under other bins starts afresh.
@@ -326,9 +326,9 @@ class AutoState:
                     current.load(v)
                 elif isinstance(current, Ewma):
                     value, n = v
-                    current.value, current.n = (None if value is None else float(value)), int(n)
+                    current.value, current.n = (None if value is None else _finite(value)), int(n)
                 elif isinstance(current, Calibration):
-                    current.real, current.predicted = float(v[0]), float(v[1])
+                    current.real, current.predicted = _finite(v[0]), _finite(v[1])
                 elif isinstance(current, dict):
                     setattr(state, f.name, {str(k): int(n) for k, n in v.items()})
                 else:  # the temperature
@@ -336,6 +336,13 @@ class AutoState:
         except (TypeError, ValueError, AttributeError):
             return cls()
         return state
+
+
+def _finite(x: object) -> float:
+    v = float(x)  # type: ignore[arg-type]
+    if not math.isfinite(v):
+        raise ValueError("not a finite number")
+    return v
 
 
 @dataclass(frozen=True)
