@@ -83,9 +83,10 @@ class Engine:
         cost_path = cost_cache_path(config.cost_cache)
         self._cost_cache = CostCache(cost_path)
         self._cost: DeviceCost | None = None
-        # What `auto` has learnt about this engine's proposers, kept across the turns of a conversation, and
-        # between sessions in the learnt store (None: read from there when auto first runs).
-        self.auto_state: object | None = None
+        # What `auto` has learnt about this engine's proposers, by sampling mode ("greedy", "sampled"), kept
+        # across the turns of a conversation, and between sessions in the learnt store (a mode not here yet
+        # is read from there when auto first runs in it).
+        self.auto_states: dict[str, object] = {}
         self._learnt = JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None)
         self._read_learnt = True
 
@@ -144,7 +145,7 @@ class Engine:
     def learn_afresh(self) -> None:
         """Strategies start from nothing learnt, here and for the rest of this engine's life (what they learn
         is still kept): `specchat bench` does, so that its figures do not depend on earlier sessions."""
-        self.auto_state = None
+        self.auto_states.clear()
         self._read_learnt = False
 
     def close(self) -> None:

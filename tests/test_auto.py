@@ -49,7 +49,7 @@ def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int 
                                  cost_cache=Path("")))
     engine._cost = cost
     if cost is not None:
-        engine.auto_state = AutoState(learn_timing=False)
+        engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
     return engine
 
 
@@ -154,7 +154,7 @@ def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
     engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 0.6))
     options = StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
     try:
-        state = engine.auto_state
+        state = engine.auto_states["greedy"]
         for _ in range(20):
             state.draft_step_tokens.add(2.0)
             state.draft_step_cost.add(1.6)
@@ -190,16 +190,16 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
         assert gen.relative(2) == pytest.approx(1.6) and gen.relative(3) == pytest.approx(2.0)
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "on the measured curve: plain"
         for _ in range(300):  # every batch of 2 took 1.3 plain steps: 0.3 extra where the curve predicted 0.6
-            engine.auto_state.batch_scale.add(0.3, 0.6)
+            engine.auto_states["greedy"].batch_scale.add(0.3, 0.6)
         assert gen.relative(2) == pytest.approx(1.3, abs=0.03)
         assert gen.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "on the corrected one: lookup"
-        engine.auto_state = AutoState(learn_timing=False)
+        engine.auto_states["greedy"] = AutoState(learn_timing=False)
         gen = _Generation(AutoDecoding(engine, StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
                           GenParams(max_tokens=64))
         gen.prefill()
         for _ in range(300):
-            engine.auto_state.batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
+            engine.auto_states["greedy"].batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
         assert gen.relative(2) == pytest.approx(2.2, abs=0.05)
     finally:
         engine.close()
@@ -209,12 +209,12 @@ def test_real_verification_batches_feed_the_curve_correction(tiny) -> None:
     """Learning its timing (as outside these tests), auto's lookup steps on a copying prompt are timed against
     the curve's prediction: the correction has seen them."""
     engine = _engine(tiny, None, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.0))
-    engine.auto_state = AutoState()  # learns timing
+    engine.auto_states["greedy"] = AutoState()  # learns timing
     try:
         prompt = _copying_prompt(engine)
         done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48))
         assert done.stats.steps_by_choice.get("lookup", 0) > 0
-        scale = engine.auto_state.batch_scale
+        scale = engine.auto_states["greedy"].batch_scale
         assert scale.predicted > 0 and scale.real != 0.0 and scale.factor() != 1.0
     finally:
         engine.close()
@@ -330,7 +330,7 @@ def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_file
             for text in TINY_PROMPTS[:2]:
                 done = run_to_done(engine, "auto", engine.tokenize(text), params)
                 tries.append(int(done.stats.extra["explored_steps"]))  # type: ignore[call-overload]
-            state = engine.auto_state
+            state = engine.auto_states["greedy"]
             assert isinstance(state, AutoState)
             return state.to_json(), tries
         finally:
@@ -341,10 +341,10 @@ def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_file
     assert (tmp_path / "learnt.json").exists()
     engine = Engine(config)
     try:
-        kept = engine.strategy("auto")
-        assert isinstance(engine.auto_state, AutoState) and engine.auto_state.taken == first["taken"]
-        assert engine.auto_state.draft_by_pos.counts() == first["draft_by_pos"]
-        del kept
+        auto = AutoDecoding(engine)
+        greedy = auto.state_for(params)
+        assert greedy.taken == first["taken"] and greedy.draft_by_pos.counts() == first["draft_by_pos"]
+        assert auto.state_for(replace(params, temperature=0.8)).taken == {}, "sampling learns its own"
     finally:
         engine.close()
     _, again_tries = session(config)
@@ -355,15 +355,14 @@ def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_file
         try:
             if afresh:
                 engine.learn_afresh()
-            engine.strategy("auto")
-            assert isinstance(engine.auto_state, AutoState) and engine.auto_state.taken == {}
+            assert AutoDecoding(engine).state_for(params).taken == {}
         finally:
             engine.close()
     afresh, afresh_tries = session(config, afresh=True)
     assert afresh_tries[0] > 0
     engine = Engine(config)
     try:
-        kept_now = engine.learnt("auto")
+        kept_now = engine.learnt("auto.greedy")
         assert kept_now is not None and kept_now["taken"] == afresh["taken"], \
             "what a fresh start learnt is kept all the same"
     finally:
@@ -417,7 +416,7 @@ def test_lookahead_tries_back_off_within_a_generation_and_a_new_temperature_star
     estimate, so each try leaves it worse and the wait before the next one doubles (128, 256, 512 steps)."""
     engine = _engine(tiny, None, DeviceCost(steep(), 0.0))
     try:
-        state = engine.auto_state
+        state, sampled = engine.auto_states["greedy"], engine.auto_states["sampled"]
         state.taken.update({"lookahead": 4})  # past the early tries
         options = StrategyOptions(auto=AutoConfig(lookup=False, explore_budget=0.2))
         prompt = engine.tokenize(TINY_PROMPTS[0])
@@ -429,12 +428,14 @@ def test_lookahead_tries_back_off_within_a_generation_and_a_new_temperature_star
         gaps = [b - a for a, b in zip([0, *tries], tries)]
         assert gaps == [MIN_EXPLORE_INTERVAL, 2 * MIN_EXPLORE_INTERVAL + 1, 4 * MIN_EXPLORE_INTERVAL + 1], tries
         assert state.backoff == {"lookahead": 3}
-        state.since["lookahead"] = 0
         list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=8, temperature=0.7, seed=1)))
-        assert state.backoff == {}, "tries made greedy say nothing of sampling"
-        state.backoff["lookahead"] = 2
+        assert sampled.backoff == {} and sampled.temperature == 0.7, "tries made greedy say nothing of sampling"
+        assert state.backoff == {"lookahead": 3}, "greedy keeps its own"
+        sampled.backoff["lookahead"] = 2
         list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=8, temperature=0.7, seed=2)))
-        assert state.backoff == {"lookahead": 2}, "the same temperature keeps the back-off"
+        assert sampled.backoff == {"lookahead": 2}, "the same temperature keeps the back-off"
+        list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=8, temperature=1.0, seed=3)))
+        assert sampled.backoff == {}, "another temperature starts it over"
     finally:
         engine.close()
 
@@ -443,7 +444,7 @@ def test_an_option_chosen_on_its_estimate_is_tried_on_the_steady_schedule_again(
     """A cheap identical draft on a flat curve is chosen from the first step: its back-off is dropped."""
     engine = _engine(tiny, tiny.same_draft, DeviceCost(flat(), 0.1))
     try:
-        state = engine.auto_state
+        state = engine.auto_states["greedy"]
         state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})
         state.backoff.update({"draft": BACKOFF_MAX})
         state.temperature = 0.0
@@ -487,7 +488,7 @@ def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_
     cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.5 * k) for k in range(16))), 0.9)  # the draft never pays
     engine = _engine(tiny, tiny.draft, cost)
     try:
-        state = engine.auto_state
+        state = engine.auto_states["greedy"]
         state.taken.update({"draft": 4, "lookup": 4, "lookahead": 4})  # past the early tries
         state.since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # stale: due now
         prompt = engine.tokenize(TINY_PROMPTS[0])
@@ -515,7 +516,7 @@ def test_a_try_of_the_draft_drafts_a_chain_whatever_the_estimates_say(tiny, take
     cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.6)
     engine = _engine(tiny, tiny.same_draft, cost)
     try:
-        state = engine.auto_state
+        state = engine.auto_states["greedy"]
         for b in range(10):  # "the draft is refused whatever its confidence", as if it had been seen so
             for _ in range(50):
                 state.draft_by_conf.update(b, False)
@@ -585,7 +586,7 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict
         counts: dict[tuple[int, ...], int] = {}
         choices: Counter[str] = Counter()
         for seed in range(3000):
-            engine.auto_state.backoff.clear()  # tries on the steady schedule: the draft's steps stay mixed in
+            engine.auto_states["sampled"].backoff.clear()  # tries on the steady schedule: the draft's steps stay mixed in
             done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
             key = outcome(engine, done)
             counts[key] = counts.get(key, 0) + 1

@@ -88,7 +88,7 @@ def main() -> int:
         engine.device_cost()  # from the disk cache, or measured once now
         engine.learn_afresh()  # every variant starts from nothing learnt, whatever earlier sessions kept
         names = ["ar", "ar (control)", *(v[0] for v in variants)]
-        states: dict[str, object] = {v[0]: None for v in variants}
+        states: dict[str, dict] = {v[0]: {} for v in variants}  # each variant's learnt states by sampling mode
         ratios = {n: {} for n in names}  # name -> category -> [ratio]
         mix = {n: {} for n in names}  # name -> choice -> forwards
 
@@ -97,13 +97,13 @@ def main() -> int:
             if name.startswith("ar"):
                 return run_config(engine, BenchConfig(name, "ar", settings.options), tokens, params)
             _, config, constants = next(v for v in variants if v[0] == name)
-            engine.auto_state = None if constants.get("fresh") else states[name]
+            engine.auto_states = {} if constants.get("fresh") else states[name]
             for k, v in {**defaults, **constants}.items():
                 if k != "fresh":
                     setattr(auto_module, k, v)
             options = replace(settings.options, auto=replace(settings.options.auto, **config))
             done = run_config(engine, BenchConfig(name, "auto", options), tokens, params)
-            states[name] = engine.auto_state
+            states[name] = engine.auto_states
             return done
 
         p = settings.params
