@@ -8,7 +8,8 @@ round; ratios to `ar` of the same prompt and round, median per category.
 Each store is a folder of its own (SPECCHAT_COST_CACHE), the device cost
 copied from the kept one so both decide with the same curve.
 
-    python tests/perf/auto_kept.py processes --rounds 3 -- -m smollm2 -md smollm2-draft --prompts chat --limit 8 -n 128 -t 2 --temp 0.8 --seed 1
+    python tests/perf/auto_kept.py processes --rounds 3 -- \\
+        -m smollm2 -md smollm2-draft --prompts chat --limit 8 -n 128 -t 2 --temp 0.8 --seed 1
 
 `modes`: in one engine, one-off runs (each from a copy of its starting
 state) at the bench flags' temperature, starting from a state learnt over
