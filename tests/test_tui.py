@@ -98,6 +98,42 @@ def test_strategy_switch_keeps_conversation_and_cache(tiny, tmp_path, capsys) ->
     asyncio.run(scenario())
 
 
+def test_all_llama_cpp_work_of_the_app_runs_on_one_thread(tiny, tmp_path, monkeypatch) -> None:
+    """Loading, the calibration and every turn, on one thread for the app's life: llama.cpp's OpenMP gives each
+    thread that decodes a team of threads that lives as long as it does, and with more of them alive than
+    cores its threads sleep between operations (SmolLM2 in the app ran at 0.65x `specchat run` with a new
+    worker thread per turn)."""
+    from backends.llama import LlamaContext, LlamaModel
+
+    threads: dict[str, set[int]] = {"load": set(), "decode": set()}
+    load, decode = LlamaModel.__init__, LlamaContext.decode
+
+    def spy_load(self, *args, **kwargs) -> None:
+        threads["load"].add(threading.get_ident())
+        load(self, *args, **kwargs)
+
+    def spy_decode(self, batch) -> None:
+        threads["decode"].add(threading.get_ident())
+        decode(self, batch)
+
+    monkeypatch.setattr(LlamaModel, "__init__", spy_load)
+    monkeypatch.setattr(LlamaContext, "decode", spy_decode)
+
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, tiny.draft, "sps", 12), tmp_path, calibrate=True)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_loaded(pilot)
+            for text in (PROMPT, "and then", "and later"):
+                await send(pilot, text)
+            await pilot.press("f2")  # another strategy: still the same thread
+            await send(pilot, "at last")
+            assert len(app.chat.session.messages) == 8
+
+    asyncio.run(scenario())
+    assert len(threads["load"] | threads["decode"]) == 1, threads
+    assert threading.get_ident() not in threads["decode"], "never the UI's thread"
+
+
 def test_escape_cancels_and_the_next_turn_works(tiny, tmp_path) -> None:
     async def scenario() -> None:
         app = app_for(tiny_settings(tiny.target, tiny.draft, "ar", 30000, n_ctx=32768), tmp_path)
