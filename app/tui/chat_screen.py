@@ -9,8 +9,9 @@ OpenMP: every thread that starts a decode gets a team of OpenMP threads that
 lives as long as it does, and once more OpenMP threads are alive than there
 are cores, libgomp's idle threads stop spinning and sleep, so every
 operation waits for a thread to wake. With a new worker thread per turn,
-SmolLM2 answered at 0.65x the speed of `specchat run` on a 2-core machine. Escape sets the cancel flag the strategy polls between target
-forwards; the partial answer is kept and the session stays usable.
+SmolLM2 answered at 0.65x the speed of `specchat run` on a 2-core machine.
+Escape sets the cancel flag the strategy polls between target forwards; the
+partial answer is kept and the session stays usable.
 """
 
 from __future__ import annotations
