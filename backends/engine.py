@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from backends.config import AUTO_K_MAX, StrategyOptions
@@ -99,7 +100,10 @@ class Engine:
 
     # -- the device's measured cost -----------------------------------------
 
+    @cached_property
     def _cost_key(self) -> str:
+        """What the device's cost and what strategies learn depend on: the model files as loaded, threads,
+        llama.cpp build and placement. Computed once: every generation of `auto` keeps its state under it."""
         c = self.config
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
                      self.target.batch.capacity]  # the batch size llama.cpp really has
@@ -118,7 +122,7 @@ class Engine:
         """
         if self._cost is not None and not remeasure:
             return self._cost  # held: no need to stat the model files again
-        key = self._cost_key()
+        key = self._cost_key
         if not remeasure:
             self._cost = self._cost_cache.get(key)
             if self._cost is not None:
@@ -136,11 +140,11 @@ class Engine:
     def learnt(self, name: str) -> dict | None:
         """What strategy `name` learnt on these model files, threads, build and placement in an earlier
         session (as it stored it with `keep_learnt`), or None: nothing kept, stale, or `learn_afresh` called."""
-        return self._learnt.get(f"{name}:{self._cost_key()}") if self._read_learnt else None
+        return self._learnt.get(f"{name}:{self._cost_key}") if self._read_learnt else None
 
     def keep_learnt(self, name: str, entry: dict) -> None:
         """Keep what strategy `name` learnt (a JSON object with a `saved_at` time stamp) for later sessions."""
-        self._learnt.put(f"{name}:{self._cost_key()}", entry)
+        self._learnt.put(f"{name}:{self._cost_key}", entry)
 
     def learn_afresh(self) -> None:
         """Strategies start from nothing learnt, here and for the rest of this engine's life (what they learn

@@ -179,9 +179,9 @@ class Acceptance:
         loaded: dict[object, list[float]] = {}
         for key, a, r in counts:
             k = tuple(int(x) for x in key) if isinstance(key, list) else int(key)  # type: ignore[arg-type]
-            loaded[k] = [float(a), float(r)]  # type: ignore[arg-type]
-            if not all(math.isfinite(x) and x >= 0 for x in loaded[k]):
-                raise ValueError("a count that is negative or not finite")
+            loaded[k] = [_finite(a), _finite(r)]
+            if min(loaded[k]) < 0:
+                raise ValueError("a negative count")
         self._counts = loaded
 
 
