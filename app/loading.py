@@ -25,8 +25,9 @@ def quantize(src: Path, dst: Path, quant: str) -> None:
 
 
 def open_engine(settings: Settings, n_seq_max: int, progress: Callable[[str], None] = lambda _msg: None,
-                with_draft: bool = True, announce: bool = False) -> Engine:
-    """Load `settings.target` (and `settings.draft` unless with_draft is False) with room for n_seq_max sequences.
+                with_draft: bool = True, announce: bool = False, n_parallel: int = 1) -> Engine:
+    """Load `settings.target` (and `settings.draft` unless with_draft is False) with room for n_seq_max sequences
+    in each of `n_parallel` slots (sequences decoded together: `specchat serve --parallel`).
 
     `progress` hears about builds and resolution (the demo pair's first build);
     with `announce` also which files are being loaded (the chat app's status line).
@@ -42,5 +43,5 @@ def open_engine(settings: Settings, n_seq_max: int, progress: Callable[[str], No
     return Engine(EngineConfig(
         target=target, draft=draft, n_ctx=settings.n_ctx, n_batch=settings.n_batch, threads=settings.threads,
         n_gpu_layers=settings.n_gpu_layers, n_gpu_layers_draft=settings.n_gpu_layers_draft, rpc=settings.rpc,
-        n_seq_max=n_seq_max,
+        n_seq_max=n_seq_max, n_parallel=n_parallel,
     ))

@@ -29,11 +29,13 @@ second validation with its own error shape; requests are checked here,
 field by field, and refused in OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`.
 
-One engine serves every client. llama.cpp work runs on one worker thread
-that takes requests from a FIFO queue, one at a time, so the event loop stays
-free and requests run in arrival order. Every strategy shares the target's KV
-cache, which keeps the longest common prefix (`backends.kv.KvSequence.sync`):
-a chat client that re-sends its conversation decodes only the new turn
+One engine serves every client. llama.cpp work runs on one worker thread,
+so the event loop stays free: up to `--parallel` requests decode together,
+their rows packed into one batch per step (continuous batching,
+backends.scheduler), and further requests wait in a FIFO queue. Each running
+request has a slot of the engine, whose KV cache keeps the longest common
+prefix (`backends.kv.KvSequence.sync`): a chat client that re-sends its
+conversation lands in the slot that holds it and decodes only the new turn
 (`usage.prompt_tokens_details.cached_tokens`, `timings.cache_n`). A client
 that goes away cancels its generation: the strategies poll `should_stop`
 between target forwards. A failing request answers 400 (the user's mistake,
@@ -71,6 +73,8 @@ from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, GenStats, Prefilled, Token
+from backends.kv import common_prefix
+from backends.scheduler import Scheduler
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, strategy_label
 from backends.sampling import GenParams
 
@@ -443,17 +447,42 @@ class Job:
         return self._cancel.is_set()
 
 
+class _Running:
+    """A request in the scheduler: its job, its slot, and whether its answer has begun."""
+
+    __slots__ = ("job", "slot", "t0", "started", "answered")
+
+    def __init__(self, job: Job, slot: int) -> None:
+        self.job = job
+        self.slot = slot
+        self.t0 = time.perf_counter()
+        self.started = False  # Prefilled came: tokens follow
+        self.answered = False  # its Done or Failed went out
+
+
 class EngineWorker:
-    """The one thread that runs llama.cpp: requests in arrival order, each to its end."""
+    """The one thread that runs llama.cpp: up to `parallel` requests decode together, the rest wait in order.
+
+    Each running request has a slot of the engine (its own sequence ids and
+    cells, backends.slot); their strategies' rows go into one batch per step
+    (backends.scheduler.Scheduler). A request joins at the next step after a
+    slot frees, in arrival order; a free slot whose cache holds the longest
+    prefix of its prompt is chosen, so a chat client that re-sends its
+    conversation decodes only the new turn. A request that fails ends alone
+    and empties only its own slot.
+    """
 
     def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED) -> None:
         self.engine = engine
         self.format = PromptFormat(engine)
+        self.parallel = len(getattr(engine, "slots", ())) or 1
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._max_queued = max_queued
         self._lock = threading.Lock()
         self._pending: set[Job] = set()
         self._thread = threading.Thread(target=self._serve, name="specchat-engine", daemon=True)
+        self._scheduler = Scheduler(getattr(engine, "target_lane", None))
+        self._free = list(range(self.parallel))
         self.handled = 0  # requests taken off the queue
         self.cancelled = 0  # of which cancelled (the client went away, or the server is stopping)
 
@@ -462,7 +491,7 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if len(self._pending) >= self._max_queued:
+            if len(self._pending) >= self._max_queued + self.parallel:
                 raise ApiError(503, f"the server is busy ({self._max_queued} requests waiting); retry later",
                                code="server_busy")
             self._pending.add(job)
@@ -470,7 +499,12 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        return len(self._pending)
+        """Requests waiting for a slot."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return self.parallel - len(self._free)
 
     def cancel_all(self) -> None:
         with self._lock:
@@ -485,18 +519,28 @@ class EngineWorker:
             self._thread.join()
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            try:
-                if job.cancelled:
-                    log.info("%s: cancelled while waiting", job.id)
-                    self.cancelled += 1
-                    job.post(Failed(ApiError(503, "cancelled before it started (the server is stopping)", code="cancelled")))
+        stopping = False
+        while not stopping or len(self._scheduler):
+            while self._free and not stopping:
+                try:  # wait for work only when there is nothing to step
+                    job = self._queue.get(block=not len(self._scheduler))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
                 else:
-                    self._run(job)
-            finally:
-                with self._lock:
-                    self._pending.discard(job)
-                self.handled += 1
+                    self._admit(job)
+            self._scheduler.step()
+        while not self._queue.empty():  # submitted while the server stopped
+            if (job := self._queue.get_nowait()) is not None:
+                self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
+                                                  code="cancelled")))
+
+    def _finish(self, job: Job, outcome: object) -> None:
+        job.post(outcome)
+        with self._lock:
+            self._pending.discard(job)
+        self.handled += 1
 
     def _tokens(self, request: GenRequest) -> list[int]:
         if request.endpoint == "chat":
@@ -508,43 +552,75 @@ class EngineWorker:
             return list(request.prompt)
         return self.format.raw(request.prompt)
 
-    def _run(self, job: Job) -> None:
+    def _pick_slot(self, prompt: list[int]) -> int:
+        """The free slot whose cache holds the longest prefix of `prompt` (the first free one if none does)."""
+        slots = getattr(self.engine, "slots", None)
+        if not slots:
+            return self._free[0]
+        return max(self._free, key=lambda i: (common_prefix(slots[i].target.tokens, prompt), -i))
+
+    def _admit(self, job: Job) -> None:
+        """Start `job` in a free slot, or answer it at once (cancelled, or refused before it could start)."""
+        if job.cancelled:
+            log.info("%s: cancelled while waiting", job.id)
+            self.cancelled += 1
+            self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
+                                              code="cancelled")))
+            return
         request = job.request
-        t0 = time.perf_counter()
-        started = False
         try:
             prompt = self._tokens(request)
-            strategy = self.engine.strategy(request.strategy, request.options)
-            for event in strategy.generate(prompt, request.params, lambda: job.cancelled):
-                if isinstance(event, Prefilled):
-                    started = True
-                    job.post(Started(event.n_tokens))
-                elif isinstance(event, Token) and event.kind != "rejected":
-                    job.post(event)
-                elif isinstance(event, Done):
-                    self.cancelled += event.reason == "cancelled"
-                    _log_done(job, event, time.perf_counter() - t0)
-                    if not started:  # failed or cancelled before the prompt was in: nothing was streamed
-                        if event.reason == "error":
-                            self._reset_caches()
-                        job.post(Failed(_done_error(event)))
-                    else:
-                        job.post(event)
+            slot = self._pick_slot(prompt)
+            steps = self.engine.strategy(request.strategy, request.options, slot=slot).steps(
+                prompt, request.params, lambda: job.cancelled)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the server
             if is_user_error(e):
                 log.info("%s: refused: %s", job.id, describe(e))
             else:
                 log.exception("%s: generation failed", job.id)
-            if started or not is_user_error(e):
-                self._reset_caches()  # stopped halfway through a step: what the caches hold is unknown
-            job.post(Failed(_from_exception(e)))
+            self._finish(job, Failed(_from_exception(e)))
+            return
+        self._free.remove(slot)
+        running = _Running(job, slot)
+        self._scheduler.add(steps, lambda event: self._on_event(running, event),
+                            lambda error: self._on_end(running, error))
 
-    def _reset_caches(self) -> None:
-        """After an unexpected failure the caches' contents are unknown: empty them."""
-        for seq in (self.engine.target, self.engine.draft):
-            if seq is not None:
-                seq.tokens.clear()
-                seq.ctx.clear()
+    def _on_event(self, r: _Running, event: object) -> None:
+        job = r.job
+        if isinstance(event, Prefilled):
+            r.started = True
+            job.post(Started(event.n_tokens))
+        elif isinstance(event, Token) and event.kind != "rejected":
+            job.post(event)
+        elif isinstance(event, Done):
+            self.cancelled += event.reason == "cancelled"
+            _log_done(job, event, time.perf_counter() - r.t0)
+            if not r.started and event.reason == "error":
+                self._reset_slot(r.slot)
+            # Failed or cancelled before the prompt was in: nothing was streamed, the answer is an error.
+            r.answered = True
+            self._finish(job, event if r.started else Failed(_done_error(event)))
+
+    def _on_end(self, r: _Running, error: BaseException | None) -> None:
+        if error is not None:
+            if is_user_error(error):
+                log.info("%s: refused: %s", r.job.id, describe(error))
+            else:
+                log.error("%s: generation failed", r.job.id, exc_info=error)
+            self._reset_slot(r.slot)  # stopped halfway through a step: what its caches hold is unknown
+            if not r.answered:
+                self._finish(r.job, Failed(_from_exception(error)))
+        elif not r.answered:  # a machine that ended without Done (never, for the strategies of backends/)
+            self._finish(r.job, Failed(ApiError(500, "the generation ended without an answer")))
+        self._free.append(r.slot)
+
+    def _reset_slot(self, slot: int) -> None:
+        """After an unexpected failure a slot's caches hold something unknown: empty them."""
+        slots = getattr(self.engine, "slots", None)
+        if slots:
+            for seq in (slots[slot].target, slots[slot].draft):
+                if seq is not None:
+                    seq.reset()
 
 
 def _log_done(job: Job, done: Done, seconds: float) -> None:
@@ -768,8 +844,9 @@ class Server:
     # -- routes --------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "queued": self.worker.queued, "handled": self.worker.handled,
-                             "cancelled": self.worker.cancelled})
+        w = self.worker
+        return JSONResponse({"status": "ok", "parallel": w.parallel, "running": w.running, "queued": w.queued,
+                             "handled": w.handled, "cancelled": w.cancelled})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -1,6 +1,7 @@
 """`specchat serve`: flags, loading the engine, and running the server (app/serve.py) on uvicorn.
 
-    specchat serve -m TARGET [-md DRAFT] [-s STRATEGY] [generation flags] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+    specchat serve -m TARGET [-md DRAFT] [-s STRATEGY] [generation flags] [-np 4] [--host 127.0.0.1] [--port 8080]
+                   [--api-key KEY]
 
 The generation flags are every request's defaults; a request overrides them
 field by field. The server binds 127.0.0.1 unless told otherwise, and says so
@@ -9,6 +10,13 @@ SPECCHAT_API_KEY, which keeps the key out of the process list) every /v1
 route wants `Authorization: Bearer KEY`. One line on stderr gives the URL once
 the model is loaded and the socket listens; Ctrl-C (uvicorn's own handling)
 cancels what is running, stops the worker and frees the engine.
+
+`--parallel N` (`-np`, llama-server's spelling) requests decode together in
+one batch per step (continuous batching, backends.scheduler); more wait in
+arrival order. Each has the whole `-c` context, so the KV cache holds N times
+`-c` cells. Before it listens, the server makes sure the device's batch cost
+curve is known up to the largest batch it may decode (measured once, kept on
+disk), since `auto` prices every row it adds to the batch by it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ from app.settings import Settings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+DEFAULT_PARALLEL = 4
+# Sequence ids one request's strategy may use (lookahead W+G+1, a tree one per path), at most; fewer when
+# --parallel N times this is over llama.cpp's limit.
+N_SEQ_PER_REQUEST = 64
+# The batch cost curve is measured up to this many rows when several requests decode together (beyond it,
+# auto extrapolates linearly): a few seconds once per device and model files.
+COST_ROWS_MAX = 64
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "SPECCHAT_API_KEY"
 
@@ -38,6 +53,9 @@ def add_serve_parser(sub: argparse._SubParsersAction, parser_class: type[argpars
     add_model_flags(serve)
     add_generation_flags(serve)
     net = serve.add_argument_group("server")
+    net.add_argument("-np", "--parallel", type=int, default=DEFAULT_PARALLEL, metavar="N",
+                     help=f"requests decoded together in one batch (default: {DEFAULT_PARALLEL}); more wait in "
+                          "arrival order; each has the whole context (-c), so the KV cache holds N times it")
     net.add_argument("--host", default=DEFAULT_HOST,
                      help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 picks a free one (default: {DEFAULT_PORT})")
@@ -64,11 +82,16 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from app.loading import open_engine
-    from app.serve import N_SEQ_MAX, AnnouncingServer, EngineWorker, ServerConfig, make_app
+    from app.serve import AnnouncingServer, EngineWorker, ServerConfig, make_app
+    from backends.config import AUTO_K_MAX
+    from backends.llama import max_sequences
     from backends.registry import require_draft
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    parallel = args.parallel
+    if not 1 <= parallel <= min(max_sequences(), settings.n_batch):
+        raise UserError(f"--parallel must be in 1..{min(max_sequences(), settings.n_batch)}, got {parallel}")
     require_draft(settings.strategy, settings.draft is not None)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in LOOPBACK_HOSTS:
@@ -76,8 +99,13 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
               + ("" if api_key else "; without --api-key anyone who reaches it can use it"),
               file=sys.stderr, flush=True)
     _configure_logging()
-    engine = open_engine(settings, N_SEQ_MAX, print_progress, with_draft=True)  # the engine fits it to the batch
+    n_seq = min(N_SEQ_PER_REQUEST, max_sequences() // parallel)
+    engine = open_engine(settings, n_seq, print_progress, with_draft=True, n_parallel=parallel)  # fits the batch
     try:
+        if parallel > 1:  # measuring later would decode in the middle of other requests' steps
+            rows = min(settings.n_batch, max(AUTO_K_MAX, COST_ROWS_MAX))
+            if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:
+                print_progress("cannot measure the device's batch cost here: auto and tree decode plainly")
         worker = EngineWorker(engine)
         worker.start()
         try:

@@ -1,9 +1,17 @@
-"""A loaded target (and optional draft) with their KV caches, and the strategies over them.
+"""A loaded target (and optional draft) with their KV caches, shared by one or many sequences.
 
-Every strategy built by one `Engine` shares the target's `KvSequence`, so
-switching strategy between turns keeps the conversation's cache. The draft is
-checked against the target with llama.cpp's compatibility rules before it is
-loaded.
+The engine loads the models and makes their contexts; a `Slot`
+(backends.slot) is one sequence's share of them: its own sequence ids and
+cells in the target's and the draft's context. One slot serves `specchat
+run`, the chat app and `bench` (every strategy built on it shares the
+target's sequence, so switching strategy between turns keeps the
+conversation's cache); `specchat serve --parallel N` makes N, which decode
+together (backends.scheduler). The draft is checked against the target with
+llama.cpp's compatibility rules before it is loaded.
+
+KV memory: each slot may fill `n_ctx` positions, so the contexts hold
+`n_ctx x n_parallel` cells (as Ollama's OLLAMA_NUM_PARALLEL multiplies its
+context; llama-server divides -c among its slots instead).
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from pathlib import Path
 
 from backends.config import AUTO_K_MAX, StrategyOptions
 from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
-from backends.kv import KvSequence
+from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
+from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.strategies.base import Strategy
 from models.compat import require_compatible
@@ -41,8 +50,10 @@ class EngineConfig:
     n_gpu_layers_draft: int = 0
     # llama.cpp RPC servers (HOST:PORT) whose devices take the target's offloaded layers (-ngl).
     rpc: tuple[str, ...] = ()
-    # Sequence ids the contexts allow (see n_seq_needed).
+    # Sequence ids each slot's strategies may use (see n_seq_needed).
     n_seq_max: int = 1
+    # Sequences decoded together (specchat serve --parallel); each has n_ctx positions and n_seq_max ids.
+    n_parallel: int = 1
     # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept. What
     # strategies learnt (auto's estimates) is kept beside it, in LEARNT_FILE, or not at all.
     cost_cache: Path | None = None
@@ -58,45 +69,83 @@ def cost_cache_path(configured: Path | None) -> Path | None:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        if config.n_seq_max > max_sequences():
-            raise ModelError(f"these settings need {config.n_seq_max} sequences in one context, more than the "
+        if config.n_parallel < 1:
+            raise ValueError("n_parallel must be at least 1")
+        if config.n_seq_max * config.n_parallel > max_sequences():
+            raise ModelError(f"these settings need {config.n_seq_max * config.n_parallel} sequences in one context, "
+                             f"more than the {max_sequences()} llama.cpp allows (lookahead needs W+G+1, a tree one "
+                             f"per path, for each of the {config.n_parallel} parallel sequences)"
+                             if config.n_parallel > 1 else
+                             f"these settings need {config.n_seq_max} sequences in one context, more than the "
                              f"{max_sequences()} llama.cpp allows (lookahead needs W+G+1, a tree one per path)")
         self.config = config
         self.target_info = validate_gguf(config.target)
         if config.draft is not None:
             require_compatible(self.target_info, validate_gguf(config.draft))
-        ctx_config = ContextConfig(n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=config.threads)
+        n_par = config.n_parallel
+        ctx_config = ContextConfig(n_ctx=config.n_ctx * n_par, n_batch=config.n_batch, n_threads=config.threads)
         # llama.cpp aborts when a context has more sequences than batch rows (n_outputs_max): never ask it to.
-        ctx_config = replace(ctx_config, n_seq_max=max(1, min(config.n_seq_max, config.n_batch, config.n_ctx)))
+        ids = max(1, min(config.n_seq_max, config.n_batch // n_par, config.n_ctx))
+        ctx_config = replace(ctx_config, n_seq_max=ids * n_par)
         self.target_model: LlamaModel = None  # type: ignore[assignment]  # set below, or there is no engine
-        self.target: KvSequence = None  # type: ignore[assignment]
         self.draft_model: LlamaModel | None = None
-        self.draft: KvSequence | None = None
+        self.target_lane: Lane = None  # type: ignore[assignment]
+        self.draft_lane: Lane | None = None
         try:
             self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
-            self.target = KvSequence(LlamaContext(self.target_model, ctx_config))
+            # Alone, a prompt fills whole batches; beside others, half of one, so they wait one chunk at most.
+            chunk = None if n_par == 1 else config.n_batch // 2
+            self.target_lane = Lane(LlamaContext(self.target_model, ctx_config), ids, chunk)
             if config.draft is not None:
                 self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
-                self.draft = KvSequence(LlamaContext(self.draft_model, ctx_config))
+                self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
             raise
         cost_path = cost_cache_path(config.cost_cache)
         self._cost_cache = CostCache(cost_path)
         self._cost: DeviceCost | None = None
-        # What `auto` has learnt about this engine's proposers, by sampling mode ("greedy", "sampled"), kept
-        # across the turns of a conversation, and between sessions in the learnt store (a mode not here yet
-        # is read from there when auto first runs in it).
-        self.auto_states: dict[str, object] = {}
-        self._learnt = JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None)
-        self._read_learnt = True
+        # May a slot's first generation measure the device's cost? Not under a scheduler: measuring decodes at
+        # once on the shared context, in the middle of a tick. `specchat serve` measures before it serves.
+        self.measure_on_demand = n_par == 1
+        # What strategies learnt on these files (auto's acceptance by sampling mode), kept across the turns of a
+        # conversation and between sessions (LEARNT_FILE).
+        self.learnt = Learnt(JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None),
+                             lambda: self._cost_key)
+        per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
+        self.slots: list[Slot] = []
+        for i in range(n_par):
+            target = KvSequence(self.target_lane, i * ids, ids, per_slot)
+            draft = KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
+            self.slots.append(Slot(target, draft, self._slot_cost, self.learnt))
+
+    @property
+    def target(self) -> KvSequence:
+        """The first slot's target sequence (the only one unless n_parallel > 1)."""
+        return self.slots[0].target
+
+    @property
+    def draft(self) -> KvSequence | None:
+        return self.slots[0].draft
+
+    @property
+    def auto_states(self) -> dict:
+        """What `auto` learnt in this session, by sampling mode (Learnt.session)."""
+        return self.learnt.session
+
+    @auto_states.setter
+    def auto_states(self, states: dict) -> None:
+        self.learnt.session = states
+
+    def _slot_cost(self) -> DeviceCost | None:
+        return self.device_cost() if self.measure_on_demand else self.known_device_cost()
 
     def tokenize(self, text: str) -> list[int]:
         return self.target_model.tokenize(text, add_special=True, parse_special=True)
 
-    def strategy(self, name: str, options: StrategyOptions = StrategyOptions()) -> Strategy:
-        """The named strategy over this engine's models and caches (backends.registry)."""
-        return spec(name).build(self, options)
+    def strategy(self, name: str, options: StrategyOptions = StrategyOptions(), slot: int = 0) -> Strategy:
+        """The named strategy on one of this engine's slots (backends.registry)."""
+        return spec(name).build(self.slots[slot], options)
 
     # -- the device's measured cost -----------------------------------------
 
@@ -120,13 +169,9 @@ class Engine:
         yet; the next call tries again. `remeasure` measures now whatever is
         known (`specchat bench` does, so later sessions decide with its curve).
         """
-        if self._cost is not None and not remeasure:
-            return self._cost  # held: no need to stat the model files again
+        if not remeasure and self.known_device_cost() is not None:
+            return self._cost
         key = self._cost_key
-        if not remeasure:
-            self._cost = self._cost_cache.get(key)
-            if self._cost is not None:
-                return self._cost
         context = list(self.target.tokens)
         k_max = min(k_max, self.target.n_ctx - len(context), self.target.batch.capacity)
         if k_max < 2 or not context:
@@ -135,27 +180,40 @@ class Engine:
         self._cost_cache.put(key, self._cost)
         return self._cost
 
+    def measure_now(self, context: list[int], k_max: int = AUTO_K_MAX) -> DeviceCost | None:
+        """The device's cost, measured now after `context` on the first slot unless known already with a curve
+        of at least `k_max` batch sizes (the server measures before it serves, to the largest batch it allows);
+        the first slot is empty afterwards."""
+        known = self.known_device_cost()
+        if known is not None and len(known.batch.seconds) >= k_max:
+            return known
+        slot = self.slots[0]
+        try:
+            slot.target.sync(context, logits=False)
+            if slot.draft is not None:
+                slot.draft.sync(context, logits=False)
+            return self.device_cost(k_max, remeasure=True)
+        finally:
+            for seq in (slot.target, slot.draft):
+                if seq is not None:
+                    seq.reset()
+
+    def known_device_cost(self) -> DeviceCost | None:
+        """The device's cost as measured before (in this session or kept on disk), without measuring."""
+        if self._cost is None:
+            self._cost = self._cost_cache.get(self._cost_key)
+        return self._cost
+
     # -- what strategies learnt, kept between sessions -----------------------
 
-    def learnt(self, name: str) -> dict | None:
-        """What strategy `name` learnt on these model files, threads, build and placement in an earlier
-        session (as it stored it with `keep_learnt`), or None: nothing kept, stale, or `learn_afresh` called."""
-        return self._learnt.get(f"{name}:{self._cost_key}") if self._read_learnt else None
-
-    def keep_learnt(self, name: str, entry: dict) -> None:
-        """Keep what strategy `name` learnt (a JSON object with a `saved_at` time stamp) for later sessions."""
-        self._learnt.put(f"{name}:{self._cost_key}", entry)
-
     def learn_afresh(self) -> None:
-        """Strategies start from nothing learnt, here and for the rest of this engine's life (what they learn
-        is still kept): `specchat bench` does, so that its figures do not depend on earlier sessions."""
-        self.auto_states.clear()
-        self._read_learnt = False
+        """Strategies start from nothing learnt, here and for the rest of this engine's life (Learnt.afresh)."""
+        self.learnt.afresh()
 
     def close(self) -> None:
-        for seq in (self.target, self.draft):
-            if seq is not None:
-                seq.ctx.close()
+        for lane in (self.target_lane, self.draft_lane):
+            if lane is not None:
+                lane.ctx.close()
         for model in (self.target_model, self.draft_model):
             if model is not None:
                 model.close()

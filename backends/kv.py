@@ -1,4 +1,4 @@
-"""The tokens a context's KV cache holds, kept in step with llama.cpp.
+"""The tokens a sequence's KV cache holds, kept in step with llama.cpp, for one or many sequences per context.
 
 One mechanism serves prefill, multi-turn reuse and speculative rollback:
 `sync(tokens)` keeps the longest common prefix already in the cache, removes
@@ -6,14 +6,33 @@ the rest (`llama_memory_seq_rm`) and decodes only what is missing. Rollback
 refuses loudly when llama.cpp cannot remove part of a sequence (recurrent
 models, or a sliding-window cache without `swa_full`), because continuing
 would decode on a corrupt cache.
+
+Many sequences share one context (continuous batching, backends.scheduler):
+a `Lane` is a context with the one batch every decode on it is packed into,
+and each `KvSequence` is a view of it that owns a range of sequence ids
+(`base` .. `base + n_ids - 1`, as llama-server gives each slot its own). A
+strategy speaks in local ids (0 is its main branch, 1.. its scratch branches
+for trees and lookahead's window); the view translates them, so the same
+batch layouts run alone or beside other sequences, and removing or keeping
+cells never touches another sequence's ids.
+
+Decoding comes in two forms. `decoding`, `extending` and `syncing` are step
+machines' coroutines: they *yield* a `Decode` (rows to decode) and receive
+the batch rows they landed on, so that a scheduler can pack the rows of many
+sequences into one `llama_decode` (backends.scheduler). `decode_rows`,
+`extend` and `sync` run the same code and decode at once: for measurements,
+tests and tools that hold the context alone.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Generator, Iterable, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError
 from backends.llama import Batch, LlamaContext
+
+# One row of a batch: token, position, sequence ids, whether its logits are wanted.
+Entry = tuple[int, int, Sequence[int], bool]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -24,19 +43,81 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class KvSequence:
-    """Sequence 0 of a context (the main branch; other sequence ids are scratch space)."""
+class Lane:
+    """One llama.cpp context and the batch its decodes are packed into.
 
-    def __init__(self, ctx: LlamaContext) -> None:
+    `chunk` is the most prompt tokens one sequence puts in a batch: the whole
+    batch when it decodes alone, less when it shares the batch with others
+    (a long prompt then delays the others' next tokens by one chunk at most).
+    """
+
+    def __init__(self, ctx: LlamaContext, ids_per_token: int | None = None, chunk: int | None = None) -> None:
         self.ctx = ctx
+        self.batch = Batch(ctx.n_batch, ids_per_token or ctx.config.n_seq_max)
+        self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
+
+    @property
+    def capacity(self) -> int:
+        return self.batch.capacity
+
+    def decode(self, requests: Sequence[Sequence[Entry]]) -> list[list[int]]:
+        """Decode the entries of several requests in one batch; each request's batch rows, in order."""
+        self.batch.clear()
+        rows = [[self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries] for entries in requests]
+        self.ctx.decode(self.batch)
+        return rows
+
+
+class Decode:
+    """What a step machine yields to have rows decoded: the entries (global sequence ids) and their lane.
+
+    The answer sent back is the list of batch rows the entries landed on;
+    their logits are valid until the lane's next decode.
+    """
+
+    __slots__ = ("lane", "entries")
+
+    def __init__(self, lane: Lane, entries: list[Entry]) -> None:
+        self.lane = lane
+        self.entries = entries
+
+
+Rows = Generator[Decode, list[int], list[int]]
+
+
+def run_now(steps: Generator[Decode, list[int], object]) -> object:
+    """Drive a coroutine of this module alone, decoding each request at once; its return value."""
+    rows: list[int] | None = None
+    try:
+        while True:
+            request = steps.send(rows)  # type: ignore[arg-type]
+            rows = request.lane.decode([request.entries])[0]
+    except StopIteration as stop:
+        return stop.value
+
+
+class KvSequence:
+    """One sequence's share of a lane: its sequence ids, the tokens its main branch holds, its last rows."""
+
+    def __init__(self, lane: Lane | LlamaContext, base: int = 0, n_ids: int | None = None,
+                 n_ctx: int | None = None) -> None:
+        self.lane = lane if isinstance(lane, Lane) else Lane(lane)
+        self.ctx = self.lane.ctx
+        self.base = base
+        self.n_ids = n_ids or self.ctx.config.n_seq_max - base
+        # Alone in its context, "every sequence" is llama.cpp's -1: one pass over the cells instead of one per id.
+        self.alone = base == 0 and self.n_ids >= self.ctx.config.n_seq_max
+        self._n_ctx = n_ctx or self.ctx.n_ctx
         self.tokens: list[int] = []
-        self.batch = Batch(ctx.n_batch, ctx.config.n_seq_max)
-        # Batch row whose logits belong to the last decoded token.
+        # Batch rows of the last decode: `rows[i]` holds the logits after the i-th token of an `extend`.
+        self.rows: list[int] = []
         self.last_row = -1
+        self._hi = 1  # local ids that may hold cells are below this
 
     @property
     def n_ctx(self) -> int:
-        return self.ctx.n_ctx
+        """Positions this sequence may fill (its share of the context)."""
+        return self._n_ctx
 
     @property
     def model(self):
@@ -44,40 +125,114 @@ class KvSequence:
 
     @property
     def n_seq_max(self) -> int:
-        """Sequence ids this context allows (0 is the main branch, the others scratch space)."""
-        return self.ctx.config.n_seq_max
+        """Sequence ids this sequence owns (0 is the main branch, the others scratch space)."""
+        return self.n_ids
 
     @property
     def n_vocab(self) -> int:
         return self.ctx.n_vocab
 
     @property
+    def batch(self) -> Batch:
+        return self.lane.batch
+
+    @property
     def batch_capacity(self) -> int:
-        return self.batch.capacity
+        return self.lane.capacity
 
-    # -- several sequences: branches of a tree, lookahead's window and n-grams -------------------
+    def _ids(self, seqs: Iterable[int]) -> tuple[int, ...]:
+        out = tuple(self.base + s for s in seqs)
+        if out:
+            top = out[-1] if len(out) == 1 else max(out)
+            if top - self.base >= self._hi:
+                if top - self.base >= self.n_ids:
+                    raise ValueError(f"sequence id {top - self.base} is beyond the {self.n_ids} this sequence owns")
+                self._hi = top - self.base + 1
+        return out
 
-    def decode_rows(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> list[int]:
-        """Decode one batch of (token, position, sequence ids, wants logits) after what the cache holds.
+    # -- decoding: coroutines (yield a Decode) and their immediate forms ----------------------------
+
+    def decoding(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> Rows:
+        """Decode one batch of (token, position, local sequence ids, wants logits) after what the cache holds.
 
         Returns each entry's batch row, to read its logits with `logits(row)`.
-        The cells go to the given sequences; `tokens` (sequence 0's record) is
-        not changed: the caller keeps a branch afterwards (`keep_branch`).
+        The cells go to the given sequences; `tokens` (the main branch's
+        record) is not changed: the caller keeps a branch afterwards (`keep_branch`).
         """
-        self.batch.clear()
-        rows = [self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries]
-        self.ctx.decode(self.batch)
+        rows = yield Decode(self.lane, [(tok, pos, self._ids(seqs), want) for tok, pos, seqs, want in entries])
         return rows
+
+    def extending(self, tokens: Sequence[int], logits: str = "last") -> Rows:
+        """Decode `tokens` after what is cached. logits: 'last', 'all' (one batch) or 'none'.
+
+        With 'all', `rows[i]` holds the logits after tokens[i]; with 'last', `last_row` does.
+        A long run without 'all' is decoded in chunks of the lane's `chunk` tokens.
+        """
+        if not tokens:
+            return []
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"{len(self.tokens) + len(tokens)} tokens do not fit in the context of {self.n_ctx}"
+            )
+        step = self.lane.capacity if logits == "all" else self.lane.chunk
+        if logits == "all" and len(tokens) > step:
+            raise ValueError(f"cannot return logits for {len(tokens)} tokens in one batch of {step}")
+        seq = (self.base,)
+        rows: list[int] = []
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start : start + step]
+            final = start + step >= len(tokens)
+            base = len(self.tokens)
+            entries = [(tok, base + i, seq,
+                        logits == "all" or (logits == "last" and final and i == len(chunk) - 1))
+                       for i, tok in enumerate(chunk)]
+            rows = yield Decode(self.lane, entries)
+            self.tokens.extend(chunk)
+        self.rows = rows
+        self.last_row = rows[-1]
+        return rows
+
+    def syncing(self, tokens: Sequence[int], logits: bool = True) -> Generator[Decode, list[int], int]:
+        """Make the cache hold exactly `tokens`; returns how many were already cached.
+
+        With logits=True the last token is decoded anew if it was cached, so that
+        its logits are at `last_row`.
+        """
+        keep = common_prefix(self.tokens, tokens)
+        if logits and keep == len(tokens):
+            keep -= 1
+        self.truncate(keep)
+        yield from self.extending(tokens[keep:], "last" if logits else "none")
+        return keep
+
+    def decode_rows(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> list[int]:
+        """`decoding`, at once."""
+        return run_now(self.decoding(entries))  # type: ignore[return-value]
+
+    def extend(self, tokens: Sequence[int], logits: str = "last") -> None:
+        """`extending`, at once."""
+        run_now(self.extending(tokens, logits))
+
+    def sync(self, tokens: Sequence[int], logits: bool = True) -> int:
+        """`syncing`, at once."""
+        return run_now(self.syncing(tokens, logits))  # type: ignore[return-value]
+
+    def logits(self, row: int | None = None):
+        """Logits of batch row `row` of the lane's last decode (default: this sequence's last token's)."""
+        return self.ctx.logits(self.last_row if row is None else row)
+
+    # -- cells: no decoding ------------------------------------------------------------------------
 
     def fork(self, src: int, dst: int) -> None:
         """Sequence `dst` holds exactly the cells of `src` (a unified cache shares them, no copy)."""
-        self.ctx.seq_rm(dst, -1, -1)
-        self.ctx.seq_cp(src, dst, -1, -1)
+        src_id, dst_id = self._ids((src, dst))
+        self.ctx.seq_rm(dst_id, -1, -1)
+        self.ctx.seq_cp(src_id, dst_id, -1, -1)
 
     def drop_seq(self, seq: int) -> None:
         """Remove every cell of scratch sequence `seq` (never 0: use truncate for the main branch)."""
         assert seq != 0, "sequence 0 is the main branch"
-        self.ctx.seq_rm(seq, -1, -1)
+        self.ctx.seq_rm(self.base + seq, -1, -1)
 
     def keep_branch(self, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
         """Keep the first `keep` positions; the cells of `best_seq` (0: none won) become sequence 0.
@@ -88,9 +243,15 @@ class KvSequence:
         """
         self.drop_cells_from(keep)
         if best_seq != 0:
-            self.ctx.seq_keep(best_seq)
-            self.ctx.seq_cp(best_seq, 0, -1, -1)
-            self.ctx.seq_rm(best_seq, -1, -1)
+            best = self.base + best_seq
+            if self.alone:
+                self.ctx.seq_keep(best)
+            else:  # llama_memory_seq_keep would drop the other sequences' cells too
+                for s in range(self._hi):
+                    if s != best_seq:
+                        self.ctx.seq_rm(self.base + s, -1, -1)
+            self.ctx.seq_cp(best, self.base, -1, -1)
+            self.ctx.seq_rm(best, -1, -1)
             self.share_with(reshare)
         self.tokens = list(context[:keep])
 
@@ -101,69 +262,44 @@ class KvSequence:
         self.drop_cells_from(n)
         del self.tokens[n:]
 
+    def _rm_from(self, pos: int) -> bool:
+        if self.alone:
+            return self.ctx.seq_rm(-1, pos, -1)
+        ok = True
+        for s in range(self._hi):
+            ok = self.ctx.seq_rm(self.base + s, pos, -1) and ok
+        return ok
+
     def drop_cells_from(self, pos: int) -> None:
-        """Remove every cell at position >= pos, in all sequences; refuse loudly if llama.cpp cannot.
+        """Remove every cell at position >= pos, in all of this sequence's ids; refuse loudly if llama.cpp cannot.
 
         Some caches report success yet drop more: a sliding-window cache past its
         window (without swa_full) clears the whole sequence. So the cells below
         pos that sequence 0 should still hold are checked too.
         """
         expected_last = min(pos, len(self.tokens)) - 1
-        if not self.ctx.seq_rm(-1, pos, -1) or self.ctx.pos_max(0) < expected_last:
-            self.tokens.clear()
-            self.ctx.clear()
+        if not self._rm_from(pos) or self.ctx.pos_max(self.base) < expected_last:
+            self.reset()
             raise CacheRollbackError(
                 "llama.cpp cannot remove part of this model's KV cache (recurrent or sliding-window "
                 "memory), so speculative decoding cannot run on it; use -s ar"
             )
-
-    def extend(self, tokens: Sequence[int], logits: str = "last") -> None:
-        """Decode `tokens` after what is cached. logits: 'last', 'all' (one batch) or 'none'.
-
-        With 'all', row i holds the logits after tokens[i]; with 'last', `last_row` does.
-        """
-        if not tokens:
-            return
-        if len(self.tokens) + len(tokens) > self.n_ctx:
-            raise ContextFullError(
-                f"{len(self.tokens) + len(tokens)} tokens do not fit in the context of {self.n_ctx}"
-            )
-        step = self.batch.capacity
-        if logits == "all" and len(tokens) > step:
-            raise ValueError(f"cannot return logits for {len(tokens)} tokens in one batch of {step}")
-        for start in range(0, len(tokens), step):
-            chunk = tokens[start : start + step]
-            final = start + step >= len(tokens)
-            self.batch.clear()
-            base = len(self.tokens)
-            for i, tok in enumerate(chunk):
-                want = logits == "all" or (logits == "last" and final and i == len(chunk) - 1)
-                self.batch.add(tok, base + i, (0,), want)
-            self.ctx.decode(self.batch)
-            self.tokens.extend(chunk)
-        self.last_row = len(tokens) - 1 if logits == "all" else len(self.batch) - 1
-
-    def sync(self, tokens: Sequence[int], logits: bool = True) -> int:
-        """Make the cache hold exactly `tokens`; returns how many were already cached.
-
-        With logits=True the last token is decoded anew if it was cached, so that
-        its logits are at `last_row`.
-        """
-        keep = common_prefix(self.tokens, tokens)
-        if logits and keep == len(tokens):
-            keep -= 1
-        self.truncate(keep)
-        self.extend(tokens[keep:], "last" if logits else "none")
-        return keep
 
     def share_with(self, n_seqs: int) -> None:
         """Make sequences 1..n_seqs-1 hold exactly sequence 0's cells (a unified cache shares them, no copy)."""
         for seq in range(1, n_seqs):
             self.fork(0, seq)
 
-    def logits(self, row: int | None = None):
-        return self.ctx.logits(self.last_row if row is None else row)
-
     def reset(self) -> None:
+        """Forget everything this sequence holds (another sequence's cells stay)."""
         self.tokens.clear()
-        self.ctx.clear()
+        if self.alone:
+            self.ctx.clear()
+        else:
+            for s in range(self.n_ids):
+                self.ctx.seq_rm(self.base + s, -1, -1)
+        self._hi = 1
+
+    def cells(self) -> int:
+        """Cells this sequence's main branch holds in llama.cpp (its last position + 1)."""
+        return self.ctx.pos_max(self.base) + 1

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from backends.config import AutoConfig, StrategyOptions, TreeConfig
 
 if TYPE_CHECKING:
-    from backends.engine import Engine
+    from backends.slot import Slot
     from backends.strategies.base import Strategy
 
 
@@ -28,7 +28,7 @@ class StrategySpec:
     name: str
     help: str
     needs_draft: bool
-    build: Callable[["Engine", StrategyOptions], "Strategy"]
+    build: Callable[["Slot", StrategyOptions], "Strategy"]  # the strategy on one sequence's slot
     label: Callable[[StrategyOptions], str]
     n_seq: Callable[[StrategyOptions], int] = lambda _o: 1
     sweep: Callable[[StrategyOptions], list[StrategyOptions]] = lambda _o: []
@@ -47,45 +47,45 @@ def require_draft(name: str, has_draft: bool) -> None:
         raise ModelError(f"strategy '{name}' needs a draft model (-md DRAFT), or use -s ar")
 
 
-def _draft(engine: "Engine", name: str):
-    require_draft(name, engine.draft is not None)
-    return engine.draft
+def _draft(slot: "Slot", name: str):
+    require_draft(name, slot.draft is not None)
+    return slot.draft
 
 
-def _build_ar(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_ar(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.ar import Autoregressive
 
-    return Autoregressive(engine.target)
+    return Autoregressive(slot.target)
 
 
-def _build_sps(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_sps(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.sps import SpeculativeSampling
 
-    return SpeculativeSampling(engine.target, _draft(engine, "sps"), o.sps)
+    return SpeculativeSampling(slot.target, _draft(slot, "sps"), o.sps)
 
 
-def _build_lookahead(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_lookahead(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.lookahead import LookaheadDecoding
 
-    return LookaheadDecoding(engine.target, o.lookahead)
+    return LookaheadDecoding(slot.target, o.lookahead)
 
 
-def _build_lookup(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_lookup(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.lookup import PromptLookup
 
-    return PromptLookup(engine.target, o.lookup)
+    return PromptLookup(slot.target, o.lookup)
 
 
-def _build_tree(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_tree(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.tree import TreeSpeculation
 
-    return TreeSpeculation(engine.target, _draft(engine, "tree"), o.tree, engine.device_cost)
+    return TreeSpeculation(slot.target, _draft(slot, "tree"), o.tree, slot.device_cost)
 
 
-def _build_auto(engine: "Engine", o: StrategyOptions) -> "Strategy":
+def _build_auto(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.auto import AutoDecoding
 
-    return AutoDecoding(engine, o)
+    return AutoDecoding(slot, o)
 
 
 def _sps_label(o: StrategyOptions) -> str:

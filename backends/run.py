@@ -57,9 +57,9 @@ class Run:
 
     # -- phases -------------------------------------------------------------
 
-    def prefill(self, decode_prompt: Callable[[], int]) -> Prefilled:
-        """Run the strategy's prompt decode (returns how many tokens were already cached)."""
-        self._n_cached = decode_prompt()
+    def prefilled(self, n_cached: int) -> Prefilled:
+        """The prompt is in the cache (`n_cached` of its tokens were there already): decoding starts."""
+        self._n_cached = n_cached
         now = time.perf_counter()
         self._prompt_seconds = now - self._t0
         self._t_decode = self._step_t0 = now

@@ -20,6 +20,7 @@ from backends.config import AutoConfig, LookaheadConfig, LookupConfig, SpsConfig
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
+from backends.kv import run_now
 from backends.sampling import GenParams
 from backends.strategies.auto import (BACKOFF_MAX, LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX,
                                       Acceptance, AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
@@ -159,8 +160,8 @@ def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
             state.draft_step_tokens.add(2.0)
             state.draft_step_cost.add(1.6)
         prompt = engine.tokenize(TINY_PROMPTS[0])
-        gen = _Generation(AutoDecoding(engine, options), prompt, GenParams(max_tokens=400))
-        gen.prefill()
+        gen = _Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=400))
+        run_now(gen.prefill())
         assert gen.decide([], 0).option == "draft", "in sync: no catch-up, the draft pays"
         context = gen.run.context
         context.extend([context[-1]] * 10)  # decoded while the draft stood by (decide reads only the lag)
@@ -183,9 +184,9 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
     curve = BatchCost(tuple(0.01 * (1.0 if k == 1 else 0.8 + 0.4 * k) for k in range(1, 17)))
     engine = _engine(tiny, None, DeviceCost(curve, 0.0))
     try:
-        gen = _Generation(AutoDecoding(engine, StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
+        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
                           GenParams(max_tokens=64))
-        gen.prefill()
+        run_now(gen.prefill())
         rate = 1 / 0.01
         assert gen.relative(2) == pytest.approx(1.6) and gen.relative(3) == pytest.approx(2.0)
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "on the measured curve: plain"
@@ -195,9 +196,9 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
         assert gen.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "on the corrected one: lookup"
         engine.auto_states["greedy"] = AutoState(learn_timing=False)
-        gen = _Generation(AutoDecoding(engine, StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
+        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
                           GenParams(max_tokens=64))
-        gen.prefill()
+        run_now(gen.prefill())
         for _ in range(300):
             engine.auto_states["greedy"].batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
         assert gen.relative(2) == pytest.approx(2.2, abs=0.05)
@@ -342,7 +343,7 @@ def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_file
     assert (tmp_path / "learnt.json").exists()
     engine = Engine(config)
     try:
-        auto = AutoDecoding(engine)
+        auto = AutoDecoding(engine.slots[0])
         greedy = auto.state_for(params)
         assert greedy.taken == first["taken"] and greedy.draft_by_pos.counts() == first["draft_by_pos"]
         assert auto.state_for(replace(params, temperature=0.8)).taken == {}, "sampling learns its own"
@@ -356,14 +357,14 @@ def test_a_new_session_starts_from_what_auto_learnt_in_the_last_on_the_same_file
         try:
             if afresh:
                 engine.learn_afresh()
-            assert AutoDecoding(engine).state_for(params).taken == {}
+            assert AutoDecoding(engine.slots[0]).state_for(params).taken == {}
         finally:
             engine.close()
     afresh, afresh_tries = session(config, afresh=True)
     assert afresh_tries[0] > 0
     engine = Engine(config)
     try:
-        kept_now = engine.learnt("auto.greedy")
+        kept_now = engine.learnt.kept("auto.greedy")
         assert kept_now is not None and kept_now["taken"] == afresh["taken"], \
             "what a fresh start learnt is kept all the same"
     finally:

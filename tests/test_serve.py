@@ -407,7 +407,7 @@ def test_generation_error_is_a_500_and_the_next_request_runs(tiny_engine) -> Non
         name = "ar"
         in_prefill = False  # True: fail while the prompt is decoded, before any Prefilled
 
-        def generate(self, prompt, params, should_stop):
+        def steps(self, prompt, params, should_stop):
             if not self.in_prefill:
                 yield Prefilled(len(prompt), 0.0)
             yield Done("error", GenStats("ar", len(prompt), 0, 0.0, 0, 0.0, 0, 0, 0), (), "", error="decode failed")
@@ -419,8 +419,8 @@ def test_generation_error_is_a_500_and_the_next_request_runs(tiny_engine) -> Non
         def __getattr__(self, name: str):
             return getattr(self._engine, name)
 
-        def strategy(self, name, options):
-            return FailingStrategy() if self.fail else self._engine.strategy(name, options)
+        def strategy(self, name, options, slot=0):
+            return FailingStrategy() if self.fail else self._engine.strategy(name, options, slot)
 
     engine = Engine(tiny_engine)
     worker = EngineWorker(engine)  # type: ignore[arg-type]

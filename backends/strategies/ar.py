@@ -12,22 +12,21 @@ from backends.events import TARGET, Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.strategies.base import StepMachine, drive, never
 
 
-class Autoregressive:
+class Autoregressive(StepMachine):
     name = "ar"
 
     def __init__(self, target: KvSequence) -> None:
         self.target = target
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         run = Run(self.name, self.target.model, params, prompt, self.target.n_ctx)
 
-        def step() -> Iterator[Event]:
-            self.target.extend([run.pending])
+        def step() -> Iterator[object]:
+            yield from self.target.extending([run.pending])
             logits = self.target.logits()
             tok = argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng)
             ev = run.commit(tok, TARGET)
@@ -35,4 +34,4 @@ class Autoregressive:
                 yield ev
             yield run.end_step(0, 0, "plain")
 
-        return drive(run, lambda: self.target.sync(prompt[:-1], logits=False), step, should_stop)
+        return drive(run, lambda: self.target.syncing(prompt[:-1], logits=False), step, should_stop)

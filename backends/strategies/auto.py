@@ -83,22 +83,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
 from backends.config import StrategyOptions
 from backends.cost import BatchCost
-from backends.events import Done, Event
+from backends.kv import Decode
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.slot import Slot
+from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.chain import chain_step
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
-
-if TYPE_CHECKING:
-    from backends.engine import Engine
 
 PLAIN, DRAFT, LOOKUP, LOOKAHEAD = "plain", "draft", "lookup", "lookahead"
 CONFIDENCE_BINS = 10
@@ -456,47 +455,42 @@ def explore_interval(budget: float, extra_steps: float, n_options: int, taken: i
     return steady << min(max(backoff, 0), BACKOFF_MAX)
 
 
-class AutoDecoding:
+class AutoDecoding(StepMachine):
     name = "auto"
 
-    def __init__(self, engine: "Engine", options: StrategyOptions = StrategyOptions()) -> None:
-        self.engine = engine
+    def __init__(self, slot: Slot, options: StrategyOptions = StrategyOptions()) -> None:
+        self.slot = slot
         self.options = options
+
     def state_for(self, params: GenParams) -> AutoState:
-        """What this engine learnt in `params`' sampling mode (Engine.auto_states): on its first use in this
-        session, what an earlier session kept (Engine.learnt), else nothing."""
+        """What was learnt on these models in `params`' sampling mode (Learnt.session): on its first use in this
+        session, what an earlier session kept (Learnt.kept), else nothing. Every slot of an engine shares it."""
         mode = sampling_mode(params)
-        state = self.engine.auto_states.get(mode)
+        learnt = self.slot.learnt
+        state = learnt.session.get(mode)
         if not isinstance(state, AutoState):
-            state = self.engine.auto_states[mode] = AutoState.from_json(self.engine.learnt(f"{self.name}.{mode}"))
+            state = learnt.session[mode] = AutoState.from_json(learnt.kept(f"{self.name}.{mode}"))
         return state
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         gen = _Generation(self, prompt, params)  # a prompt that does not fit fails here, as for every strategy
-        return self._keeping(drive(gen.run, gen.prefill, gen.step, should_stop), gen.state, sampling_mode(params))
-
-    def _keeping(self, events: Iterator[Event], state: AutoState, mode: str) -> Iterator[Event]:
-        """The events, the learnt state kept for later sessions before Done is handed on (a consumer may stop
-        iterating there)."""
-        for event in events:
-            if isinstance(event, Done):
-                self.engine.keep_learnt(f"{self.name}.{mode}", state.to_json())
-            yield event
+        name = f"{self.name}.{sampling_mode(params)}"
+        # The learnt state is kept for later sessions before Done is handed on (a consumer may stop there).
+        return drive(gen.run, gen.prefill, gen.step, should_stop,
+                     on_done=lambda: self.slot.learnt.keep(name, gen.state.to_json()))
 
 
 class _Generation:
     """One generation of `auto`: its run, proposers and per-step bookkeeping."""
 
     def __init__(self, owner: AutoDecoding, prompt: Sequence[int], params: GenParams) -> None:
-        engine, options = owner.engine, owner.options
-        self.engine = engine
+        slot, options = owner.slot, owner.options
+        self.slot = slot
         self.cfg = options.auto
         self.sps = options.sps  # how a try of the draft drafts
         self.state = owner.state_for(params)
-        self.target = engine.target
-        self.draft = engine.draft if options.auto.draft else None
+        self.target = slot.target
+        self.draft = slot.draft if options.auto.draft else None
         n_ctx = min(s.n_ctx for s in (self.target, self.draft) if s is not None)
         self.run = Run(owner.name, self.target.model, params, prompt, n_ctx)
         self.params = params
@@ -525,11 +519,11 @@ class _Generation:
 
     # -- prefill -------------------------------------------------------------
 
-    def prefill(self) -> int:
+    def prefill(self) -> Generator[Decode, list[int], int]:
         if self.draft is not None:
-            self.draft.sync(self.prompt[:-1], logits=False)
-        cached = self.target.sync(self.prompt[:-1], logits=False)
-        cost = self.engine.device_cost()  # from the disk cache, or measured now after this real context
+            yield from self.draft.syncing(self.prompt[:-1], logits=False)
+        cached = yield from self.target.syncing(self.prompt[:-1], logits=False)
+        cost = self.slot.device_cost()  # from the disk cache, or measured now after this real context
         if cost is not None:
             self.curve = cost.batch
             self.t1 = cost.batch.seconds[0]
@@ -678,7 +672,8 @@ class _Generation:
 
     # -- proposers -----------------------------------------------------------
 
-    def draft_chain(self, k_max: int, explore: bool) -> tuple[list[int], list[np.ndarray], list[float]]:
+    def draft_chain(self, k_max: int, explore: bool) -> Generator[Decode, list[int],
+                                                                  tuple[list[int], list[np.ndarray], list[float]]]:
         """Draft up to k_max tokens, stopping where the next one no longer pays.
 
         A try of the draft (`explore`) drafts as `sps` does instead: while the
@@ -701,7 +696,7 @@ class _Generation:
         dists: list[np.ndarray] = []
         confs: list[float] = []
         t0 = time.perf_counter()
-        lag = len(self.run.context) - draft.sync(self.run.context)
+        lag = len(self.run.context) - (yield from draft.syncing(self.run.context))
         if lag > CHAIN_LAG:
             # The draft catches up on tokens decoded while it stood by (plain or lookup steps). That is a
             # switching cost spread over those steps, not the cost of drafting: left out of what a draft
@@ -747,7 +742,7 @@ class _Generation:
                     self._continue_gain(reach, a, i + 1, k_max, rate, t_plain, t_draft) <= 0
             if last:
                 break
-            draft.extend([tok])
+            yield from draft.extending([tok])
             decodes += 1
         self.draft_decodes += decodes
         st.time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
@@ -771,7 +766,7 @@ class _Generation:
 
     # -- one step ------------------------------------------------------------
 
-    def step(self) -> Iterator[Event]:
+    def step(self) -> Iterator[object]:
         run, st = self.run, self.state
         t0 = time.perf_counter()
         lookup, match = ([], 0)
@@ -807,7 +802,7 @@ class _Generation:
         run.extra.update(self.stats())
 
     def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
-               keys: list[object], confs: Sequence[float] = ()) -> Iterator[Event]:
+               keys: list[object], confs: Sequence[float] = ()) -> Iterator[object]:
         st, run = self.state, self.run
         t0 = time.perf_counter()
         verdict = yield from chain_step(run, self.target, drafts, dists, "draft" if source == DRAFT else
@@ -832,17 +827,17 @@ class _Generation:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
 
-    def _draft_step(self, choice: Choice) -> Iterator[Event]:
+    def _draft_step(self, choice: Choice) -> Iterator[object]:
         st, run = self.state, self.run
         before = len(run.output)
         t0 = time.perf_counter()
-        tokens, dists, confs = self.draft_chain(choice.length, choice.explore)
+        tokens, dists, confs = yield from self.draft_chain(choice.length, choice.explore)
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
         st.time(st.draft_step_cost, (time.perf_counter() - t0 - self.catch_up) / st.t_plain.get(self.t1 or 1.0))
 
-    def _lookahead_step(self, choice: Choice) -> Iterator[Event]:
+    def _lookahead_step(self, choice: Choice) -> Iterator[object]:
         st, run = self.state, self.run
         window = self.window
         assert window is not None

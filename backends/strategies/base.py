@@ -1,4 +1,11 @@
-"""The `Strategy` role and the loop every strategy shares.
+"""The `Strategy` role, and the loop every strategy shares.
+
+A strategy is a step machine: `steps(prompt, params, should_stop)` returns a
+generator that yields the engine's events and, whenever it wants rows
+decoded, a `backends.kv.Decode` (through its sequences' `decoding`,
+`extending` and `syncing`), and is sent back the batch rows. Whoever drives it
+packs those rows: `generate` drives it alone (backends.scheduler.run_solo),
+`specchat serve` drives many at once in one batch (backends.scheduler.Scheduler).
 
 A strategy supplies its prompt decode and one step (one target forward pass
 and the events it yields); `drive` wraps them with the start, the stop checks
@@ -8,12 +15,13 @@ and the clean ending: a llama.cpp failure mid-generation ends the stream with
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
-from backends.events import Event
 from backends.errors import CacheRollbackError, ContextFullError, DecodeError
+from backends.events import Event
 from backends.run import Run
 from backends.sampling import GenParams
+from backends.scheduler import Steps, run_solo
 
 
 def never() -> bool:
@@ -23,9 +31,27 @@ def never() -> bool:
 class Strategy(Protocol):
     name: str
 
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
+        """The step machine of one generation (raises PromptError at once for a prompt that cannot run)."""
+        ...
+
     def generate(
         self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
     ) -> Iterator[Event]: ...
+
+
+class StepMachine:
+    """What every strategy shares: `generate` is its step machine driven alone."""
+
+    name = ""
+
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
+        raise NotImplementedError
+
+    def generate(
+        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
+    ) -> Iterator[Event]:
+        return run_solo(self.steps(prompt, params, should_stop))
 
 
 RUNTIME_ERRORS = (DecodeError, CacheRollbackError, ContextFullError)
@@ -33,15 +59,23 @@ RUNTIME_ERRORS = (DecodeError, CacheRollbackError, ContextFullError)
 
 def drive(
     run: Run,
-    prefill: Callable[[], int],
-    step: Callable[[], Iterable[Event]],
+    prefill: Callable[[], Generator[object, object, int]],
+    step: Callable[[], Iterable[object]],
     should_stop: Callable[[], bool],
-) -> Iterator[Event]:
+    on_done: Callable[[], None] | None = None,
+) -> Steps:
+    """The step machine: the prompt's decode (`prefill` returns how many tokens were cached), then steps.
+
+    `on_done` runs before Done is yielded (whoever drives the machine may stop there)."""
     try:
-        yield run.prefill(prefill)
+        cached = yield from prefill()
+        yield run.prefilled(cached)
         while run.should_continue(should_stop):
-            yield from step()
+            yield from step()  # type: ignore[misc]
     except RUNTIME_ERRORS as e:
-        yield run.done(e)
-        return
-    yield run.done()
+        done = run.done(e)
+    else:
+        done = run.done()
+    if on_done is not None:
+        on_done()
+    yield done

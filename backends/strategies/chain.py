@@ -18,7 +18,7 @@ from typing import Generator, Sequence
 import numpy as np
 
 from backends.events import Event, Source
-from backends.kv import KvSequence
+from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
 from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
@@ -26,18 +26,18 @@ from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verif
 
 def verify_chain(
     run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None
-) -> Verdict:
+) -> Generator[Decode, list[int], Verdict]:
     """Score the chain on the target and decide; `draft_dists` is None for deterministic proposals."""
     n_cached = len(run.context)
-    target.extend([run.pending, *drafts], logits="all")
+    rows = yield from target.extending([run.pending, *drafts], logits="all")
     params = run.params
     if params.greedy:
-        verdict = verify_greedy(drafts, lambda i: argmax(target.logits(i)))
+        verdict = verify_greedy(drafts, lambda i: argmax(target.logits(rows[i])))
     elif draft_dists is None:
-        verdict = verify_one_hot_chain(drafts, lambda i: probabilities(target.logits(i), params), run.rng)
+        verdict = verify_one_hot_chain(drafts, lambda i: probabilities(target.logits(rows[i]), params), run.rng)
     else:
         verdict = verify_draft_sampling(
-            drafts, draft_dists, lambda i: probabilities(target.logits(i), params), run.rng
+            drafts, draft_dists, lambda i: probabilities(target.logits(rows[i]), params), run.rng
         )
     # The cache keeps the pending token and the accepted drafts.
     target.truncate(n_cached + verdict.n_accepted)
@@ -47,9 +47,9 @@ def verify_chain(
 def chain_step(
     run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None,
     source: Source = "draft", why: str = "",
-) -> Generator[Event, None, Verdict]:
+) -> Generator[Event | Decode, list[int], Verdict]:
     """One forward pass over a chain proposed by `source`: its token events and its StepEnd. Returns the verdict."""
-    verdict = verify_chain(run, target, drafts, draft_dists)
+    verdict = yield from verify_chain(run, target, drafts, draft_dists)
     yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token, source)
     yield run.end_step(len(drafts), verdict.n_accepted, source if drafts else "plain", why)
     return verdict

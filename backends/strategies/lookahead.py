@@ -23,14 +23,15 @@ carries logits) and G = 0 (no pool, lookahead branch only) are supported.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 from backends.config import LookaheadConfig
 from backends.events import TARGET, Event
-from backends.kv import KvSequence
+from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import pick_among
 from backends.strategies.chain import chain_step
 from backends.strategies.ngram_pool import NgramPool
@@ -46,6 +47,7 @@ class _Batch:
     candidates: list[tuple[int, ...]]  # n-grams from the pool: tokens after the input
     candidate_rows: list[list[int]]  # [g][v]: row of the v-th token of candidate g's chain (v=0: input)
     last_level_rows: list[int]  # row per window column whose logits make the new last level
+    input_row: int  # row of the input token
 
 
 class LookaheadWindow:
@@ -76,7 +78,7 @@ class LookaheadWindow:
         """Room in the context for a whole window after the committed text."""
         return len(run.context) + self.config.window + self.config.ngram <= run.n_ctx
 
-    def _decode_batch(self, token: int, n_past: int) -> _Batch:
+    def _decode_batch(self, token: int, n_past: int) -> Generator[Decode, list[int], _Batch]:
         """Lay out and decode one lookahead batch; returns where each part landed."""
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         window = self.window
@@ -98,9 +100,10 @@ class LookaheadWindow:
                 if j == N - 2:
                     last_rows[i] = len(entries)
                 entries.append((window[j][i], n_past + j + i, (i + 1,), j == N - 2))
-        self.target.decode_rows(entries)
+        got = yield from self.target.decoding(entries)
         self.batch_tokens += len(entries)
-        return _Batch(candidates, rows, last_rows)
+        # Rows of this batch as the lane placed it (the same indices when the sequence decodes alone).
+        return _Batch(candidates, [[got[r] for r in gram] for gram in rows], [got[r] for r in last_rows], got[0])
 
     def _advance_window(self, b: _Batch, first_of_step: bool) -> None:
         W, N = self.config.window, self.config.ngram
@@ -115,14 +118,14 @@ class LookaheadWindow:
         else:
             window[N - 2] = list(window[0])
 
-    def step(self, run: Run, why: str = "") -> Iterator[Event]:
+    def step(self, run: Run, why: str = "") -> Iterator[object]:
         """One lookahead forward pass: its token events and StepEnd. Sequences 1.. must share sequence 0's cells."""
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         target = self.target
         n_past = len(run.context) - 1
-        b = self._decode_batch(run.pending, n_past)
+        b = yield from self._decode_batch(run.pending, n_past)
         active = list(range(len(b.candidates)))
-        best_seq, row = 0, 0
+        best_seq, row = 0, b.input_row
         n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
         n_accepted = 0  # tokens emitted as accepted drafts
         for v in range(N):
@@ -148,7 +151,7 @@ class LookaheadWindow:
                 "batch_tokens": self.batch_tokens}
 
 
-class LookaheadDecoding:
+class LookaheadDecoding(StepMachine):
     name = "lookahead"
 
     def __init__(self, target: KvSequence, config: LookaheadConfig = LookaheadConfig()) -> None:
@@ -163,22 +166,20 @@ class LookaheadDecoding:
         self.target = target
         self.config = config
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         target = self.target
         run = Run(self.name, target.model, params, prompt, target.n_ctx)
         la = LookaheadWindow(target, self.config, prompt)
         first_token: list[int] = []
 
-        def prefill() -> int:
+        def prefill() -> Generator[Decode, list[int], int]:
             # As lookahead.cpp: the whole prompt, then the first token from its logits.
-            cached = target.sync(prompt)
+            cached = yield from target.syncing(prompt)
             logits = target.logits()
             first_token.append(argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng))
             return cached
 
-        def step() -> Iterator[Event]:
+        def step() -> Iterator[object]:
             if first_token:
                 ev = run.commit(first_token.pop(), TARGET)
                 if ev is not None:

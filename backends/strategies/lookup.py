@@ -18,7 +18,8 @@ from backends.events import Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.chain import chain_step
 
 
@@ -67,21 +68,19 @@ class NgramIndex:
         return [], 0
 
 
-class PromptLookup:
+class PromptLookup(StepMachine):
     name = "lookup"
 
     def __init__(self, target: KvSequence, config: LookupConfig = LookupConfig()) -> None:
         self.target = target
         self.config = config
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         run = Run(self.name, self.target.model, params, prompt, self.target.n_ctx)
         index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
 
-        def step() -> Iterator[Event]:
+        def step() -> Iterator[object]:
             drafts = index.propose(run.context, min(self.config.draft_max, run.room() - 1))
             yield from chain_step(run, self.target, drafts, None, "lookup")
 
-        return drive(run, lambda: self.target.sync(prompt[:-1], logits=False), step, should_stop)
+        return drive(run, lambda: self.target.syncing(prompt[:-1], logits=False), step, should_stop)

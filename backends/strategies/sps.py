@@ -14,20 +14,21 @@ drafts were all accepted, -1 after a rejection, within [1, K_max].
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
 from backends.config import SpsConfig
 from backends.events import Event
-from backends.kv import KvSequence
+from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.chain import chain_step
 
 
-class SpeculativeSampling:
+class SpeculativeSampling(StepMachine):
     name = "sps"
 
     def __init__(self, target: KvSequence, draft: KvSequence, config: SpsConfig = SpsConfig()) -> None:
@@ -35,24 +36,22 @@ class SpeculativeSampling:
         self.draft = draft
         self.config = config
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         run = Run(self.name, self.target.model, params, prompt, min(self.target.n_ctx, self.draft.n_ctx))
         cfg = self.config
         k_cur = cfg.draft_max
 
-        def prefill() -> int:
-            self.draft.sync(prompt[:-1], logits=False)
-            return self.target.sync(prompt[:-1], logits=False)
+        def prefill() -> Generator[Decode, list[int], int]:
+            yield from self.draft.syncing(prompt[:-1], logits=False)
+            return (yield from self.target.syncing(prompt[:-1], logits=False))
 
-        def propose(k: int) -> tuple[list[int], list[np.ndarray]]:
+        def propose(k: int) -> Generator[Decode, list[int], tuple[list[int], list[np.ndarray]]]:
             """Up to k draft tokens and, when sampling, the draft distribution each was drawn from."""
             tokens: list[int] = []
             dists: list[np.ndarray] = []
             if k == 0:
                 return tokens, dists
-            self.draft.sync(run.context)
+            yield from self.draft.syncing(run.context)
             for i in range(k):
                 logits = self.draft.logits()
                 if params.greedy:
@@ -68,12 +67,12 @@ class SpeculativeSampling:
                     break
                 tokens.append(tok)
                 if i + 1 < k:
-                    self.draft.extend([tok])
+                    yield from self.draft.extending([tok])
             return tokens, dists
 
-        def step() -> Iterator[Event]:
+        def step() -> Iterator[object]:
             nonlocal k_cur
-            drafts, dists = propose(min(k_cur, run.room() - 1))
+            drafts, dists = yield from propose(min(k_cur, run.room() - 1))
             verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else dists)
             if cfg.adaptive and drafts:
                 if verdict.n_accepted == len(drafts):

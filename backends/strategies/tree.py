@@ -44,17 +44,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
 from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig  # noqa: F401 (the tree's settings, re-exported)
 from backends.cost import DeviceCost, best_tree_size
 from backends.events import Event
-from backends.kv import KvSequence
+from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.strategies.base import drive, never
+from backends.scheduler import Steps
+from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import pick_among
 from backends.strategies.chain import chain_step
 
@@ -104,7 +105,7 @@ class _Scratch:
             self.seq.drop_seq(seq)
 
 
-class TreeSpeculation:
+class TreeSpeculation(StepMachine):
     name = "tree"
 
     def __init__(self, target: KvSequence, draft: KvSequence, config: TreeConfig = TreeConfig(),
@@ -121,21 +122,21 @@ class TreeSpeculation:
 
     # -- drafting: each shape returns every drafted node, parents first ------
 
-    def _root_logits(self, context: list[int]) -> np.ndarray:
-        self.draft.sync(context)
+    def _root_logits(self, context: list[int]) -> Generator[Decode, list[int], np.ndarray]:
+        yield from self.draft.syncing(context)
         self.draft_forwards += 1
         return self.draft.logits()
 
-    def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> list[int]:
+    def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> Generator[Decode, list[int], list[int]]:
         """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
-        rows = self.draft.decode_rows((nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries)
+        rows = yield from self.draft.decoding((nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries)
         self.draft_forwards += 1
         return rows
 
-    def _draft_dynamic(self, context: list[int], max_depth: int) -> list[_Node]:
+    def _draft_dynamic(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
         """EAGLE-2's expansion: the top_k best nodes of each depth get their top_k children."""
         k = self.config.top_k
-        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs(self._root_logits(context), k)]
+        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs((yield from self._root_logits(context)), k)]
         layer = list(range(len(nodes)))
         scratch = _Scratch(self.draft)
         seq_of = {-1: 0}  # node -> draft sequence holding its path
@@ -143,7 +144,7 @@ class TreeSpeculation:
             expand = sorted(layer, key=lambda i: -nodes[i].logp)[:k]
             for i in expand:
                 seq_of[i] = scratch.fork(seq_of[nodes[i].parent])
-            rows = self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
+            rows = yield from self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
                 for t, lp in _top_log_probs(self.draft.logits(row), k):
@@ -152,11 +153,11 @@ class TreeSpeculation:
         scratch.release()
         return nodes
 
-    def _draft_static(self, context: list[int], max_depth: int) -> list[_Node]:
+    def _draft_static(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
         """llama.cpp's speculative.cpp: extend every branch by its top candidate, split off likely others."""
         cfg = self.config
         scratch = _Scratch(self.draft)
-        live = [_Branch(-1, 0, self._root_logits(context))]
+        live = [_Branch(-1, 0, (yield from self._root_logits(context)))]
         n_branches = 1
         nodes: list[_Node] = []
         for depth in range(1, max_depth + 1):
@@ -180,7 +181,7 @@ class TreeSpeculation:
                     grown.append((len(nodes) - 1, seq))
             if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
                 break
-            rows = self._decode(len(context), nodes, grown)
+            rows = yield from self._decode(len(context), nodes, grown)
             live = [_Branch(i, seq, self.draft.logits(row)) for (i, seq), row in zip(grown, rows)]
         scratch.release()
         return nodes
@@ -214,32 +215,30 @@ class TreeSpeculation:
             out.append(i)
         return out
 
-    def _draft_tree(self, context: list[int], max_depth: int) -> tuple[list[_Node], int]:
+    def _draft_tree(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], tuple[list[_Node], int]]:
         """The verified tree of this step, and how many nodes were drafted to choose it from."""
         before = self.draft_forwards
         draft = self._draft_static if self.config.shape == "static" else self._draft_dynamic
-        drafted = draft(context, max_depth)
+        drafted = yield from draft(context, max_depth)
         return self._select(drafted, self.draft_forwards - before), len(drafted)
 
-    def generate(
-        self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never
-    ) -> Iterator[Event]:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         target = self.target
         run = Run(self.name, target.model, params, prompt, min(target.n_ctx, self.draft.n_ctx))
         totals = {"tree_nodes": 0, "tree_depth": 0, "tree_leaves": 0, "batch_tokens": 0, "drafted_nodes": 0}
         self.draft_forwards = 0
 
-        def prefill() -> int:
-            self.draft.sync(prompt[:-1], logits=False)
-            cached = target.sync(prompt[:-1], logits=False)
+        def prefill() -> Generator[Decode, list[int], int]:
+            yield from self.draft.syncing(prompt[:-1], logits=False)
+            cached = yield from target.syncing(prompt[:-1], logits=False)
             if self.config.auto and self.cost is None:
                 # After a real context, on this device; appends cells and removes them (backends.cost).
                 self.cost = self.device_cost()
             return cached
 
-        def tree_step() -> Iterator[Event]:
+        def tree_step() -> Iterator[object]:
             n_past = len(run.context) - 1
-            nodes, drafted = self._draft_tree(run.context, min(self.config.depth, run.room() - 1))
+            nodes, drafted = yield from self._draft_tree(run.context, min(self.config.depth, run.room() - 1))
             children: list[list[int]] = [[] for _ in range(len(nodes) + 1)]  # index 0 = the root
             for i, n in enumerate(nodes):
                 children[n.parent + 1].append(i)
@@ -253,14 +252,15 @@ class TreeSpeculation:
             target.share_with(len(leaves) + 1)
             entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
             entries += [(n.token, n_past + n.depth, sorted(paths[i]), True) for i, n in enumerate(nodes)]
-            rows = target.decode_rows(entries)[1:]
+            all_rows = yield from target.decoding(entries)
+            rows = all_rows[1:]
             totals["batch_tokens"] += len(entries)
             totals["tree_nodes"] += len(nodes)
             totals["drafted_nodes"] += drafted
             totals["tree_leaves"] += len(leaves)
             totals["tree_depth"] += max((n.depth for n in nodes), default=0)
 
-            cur, row, n_matched, n_accepted = -1, 0, 0, 0
+            cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
             while True:
                 kids = children[cur + 1]
                 offered = [nodes[k].token for k in kids]
@@ -276,7 +276,7 @@ class TreeSpeculation:
             target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
             yield run.end_step(len(nodes), n_accepted, "tree")
 
-        def step() -> Iterator[Event]:
+        def step() -> Iterator[object]:
             # A step needs a cell for every drafted node (target and draft caches), not only the depth.
             if run.room() < 2 or len(run.context) + max(self.config.drafted_nodes, self.config.depth) + 1 > run.n_ctx:
                 totals["batch_tokens"] += 1

@@ -1,0 +1,87 @@
+"""Many generations over one engine's slots, decoded together: what `specchat serve` and the load bench run.
+
+`SlotPool` hands each admitted generation a free slot of the engine (its own
+sequence ids and cells, backends.slot) and steps them all with one
+`backends.scheduler.Scheduler`: a request joins at the next step and frees its
+slot when it ends. Of the free slots it takes the one whose cache holds the
+longest prefix of the prompt, as llama-server picks a slot by prompt
+similarity, so a conversation that comes back decodes only its new turn. A
+generation whose machine raises ends alone and its slot is emptied (what a
+step left half done in its caches is unknown).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from backends.config import StrategyOptions
+from backends.events import Event
+from backends.kv import common_prefix
+from backends.sampling import GenParams
+from backends.scheduler import Scheduler
+from backends.strategies.base import never
+
+if TYPE_CHECKING:
+    from backends.engine import Engine  # noqa: F401
+
+
+class SlotPool:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(engine.target_lane)
+        self.free = list(range(len(engine.slots)))
+
+    @property
+    def size(self) -> int:
+        return len(self.engine.slots)
+
+    @property
+    def running(self) -> int:
+        return self.size - len(self.free)
+
+    def __len__(self) -> int:
+        """Generations running."""
+        return len(self.scheduler)
+
+    def pick(self, prompt: Sequence[int]) -> int:
+        """The free slot whose cache holds the longest prefix of `prompt` (the lowest such)."""
+        slots = self.engine.slots
+        return max(self.free, key=lambda i: (common_prefix(slots[i].target.tokens, prompt), -i))
+
+    def admit(self, strategy: str, options: StrategyOptions, prompt: Sequence[int], params: GenParams,
+              sink: Callable[[Event], None], on_end: Callable[[BaseException | None], None] = lambda _e: None,
+              should_stop: Callable[[], bool] = never) -> int:
+        """Start a generation in a free slot (there must be one); returns the slot.
+
+        Raises at once what the strategy refuses before it starts (a prompt too
+        long, settings the slot cannot hold); its events go to `sink`, and
+        `on_end` hears when it ended (with the exception, if it raised).
+        """
+        slot = self.pick(prompt)
+        steps = self.engine.strategy(strategy, options, slot=slot).steps(prompt, params, should_stop)
+        self.free.remove(slot)
+
+        def ended(error: BaseException | None) -> None:
+            if error is not None:
+                self.reset(slot)
+            self.free.append(slot)
+            on_end(error)
+
+        self.scheduler.add(steps, sink, ended)
+        return slot
+
+    def reset(self, slot: int) -> None:
+        """Empty a slot's caches."""
+        s = self.engine.slots[slot]
+        for seq in (s.target, s.draft):
+            if seq is not None:
+                seq.reset()
+
+    def step(self) -> int:
+        """One step of every running generation; how many still run."""
+        return self.scheduler.step()
+
+    def run(self) -> None:
+        """Step until every generation has ended."""
+        while self.step():
+            pass

@@ -1,0 +1,171 @@
+"""Driving step machines: one sequence alone (`run_solo`) or many in one batch (`Scheduler`).
+
+A strategy is a step machine (backends.strategies.base): a generator that
+yields the engine's events (backends.events) and, whenever it needs rows
+decoded, a `backends.kv.Decode`, and is sent back the batch rows they landed
+on. It never calls llama_decode itself, so whoever drives it decides how the
+rows of many sequences share a forward pass.
+
+`run_solo` drives one: each request is decoded at once. `specchat run`, the
+chat app and `bench` go through it, so there is one decode path.
+
+`Scheduler` drives many, as llama-server's slots and vLLM's scheduler do
+(continuous batching). One tick: every sequence runs until it wants rows
+decoded (or ends), then each lane (the target's context, the draft's) packs
+the waiting requests into one batch, up to its capacity, and decodes it once.
+A sequence drafting with the draft model waits for the draft lane while
+others are verified on the target's: both lanes decode each tick. Requests
+join between ticks (`add`) and leave when their machine ends; a request that
+does not fit this tick's batch goes first in the next one. A failed decode is
+thrown into every sequence that had rows in it (their strategies end with
+`Done(reason="error")`), and a sequence whose machine raises ends alone.
+
+`BatchLoad` is what the last target batch held: `auto` prices its rows
+against it, since under load a row it adds delays every sequence in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generator, Iterator, Optional, Union
+
+from backends.errors import DecodeError
+from backends.events import Event
+from backends.kv import Decode, Lane
+
+Steps = Generator[Union[Event, Decode], Optional[list[int]], None]
+
+
+def run_solo(steps: Steps) -> Iterator[Event]:
+    """The events of one step machine, each of its requests decoded at once."""
+    rows: list[int] | None = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                item = steps.throw(error) if error is not None else steps.send(rows)
+            except StopIteration:
+                return
+            rows = error = None
+            if isinstance(item, Decode):
+                try:
+                    rows = item.lane.decode([item.entries])[0]
+                except DecodeError as e:
+                    error = e
+            else:
+                yield item
+    finally:
+        steps.close()
+
+
+@dataclass
+class BatchLoad:
+    """The last target batch: how many sequences had rows in it, and how many rows it had in all."""
+
+    sequences: int = 1
+    rows: int = 1
+
+    def others(self, own_rows: int = 1) -> tuple[int, int]:
+        """(sequences, rows) beside one sequence that put `own_rows` rows in it."""
+        return max(self.sequences - 1, 0), max(self.rows - own_rows, 0)
+
+
+SOLO = BatchLoad()
+
+
+class _Active:
+    """One sequence in the scheduler: its machine, where its events go, and what it waits for."""
+
+    __slots__ = ("steps", "sink", "on_end", "pending", "rows", "error")
+
+    def __init__(self, steps: Steps, sink: Callable[[Event], None],
+                 on_end: Callable[[BaseException | None], None]) -> None:
+        self.steps = steps
+        self.sink = sink
+        self.on_end = on_end
+        self.pending: Decode | None = None
+        self.rows: list[int] | None = None
+        self.error: BaseException | None = None
+
+
+class Scheduler:
+    """Many step machines, their rows packed into one decode per lane per tick."""
+
+    def __init__(self, target_lane: Lane | None = None) -> None:
+        self.target_lane = target_lane  # whose batches `load` describes
+        self._active: list[_Active] = []
+        self._turn = 0  # who goes first in the next tick's batches (rotates: no sequence always waits)
+        self.load = BatchLoad()
+        self.ticks = 0
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def add(self, steps: Steps, sink: Callable[[Event], None],
+            on_end: Callable[[BaseException | None], None] = lambda _e: None) -> None:
+        """A new sequence; it starts at the next tick. `on_end(None)` when its machine ends, `on_end(exc)`
+        when it raised (after which its strategy's caches are in an unknown state)."""
+        self._active.append(_Active(steps, sink, on_end))
+
+    def _advance(self, a: _Active) -> bool:
+        """Run `a` to its next request; False when it ended."""
+        rows, error = a.rows, a.error
+        a.rows = a.error = None
+        try:
+            while True:
+                item = a.steps.throw(error) if error is not None else a.steps.send(rows)
+                rows = error = None
+                if isinstance(item, Decode):
+                    a.pending = item
+                    return True
+                a.sink(item)
+        except StopIteration:
+            a.on_end(None)
+        except Exception as e:  # noqa: BLE001 - one sequence's failure ends it alone
+            a.on_end(e)
+        return False
+
+    def step(self) -> int:
+        """One tick; returns how many sequences are still running."""
+        self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
+        if not self._active:
+            return 0
+        n = len(self._active)
+        order = [self._active[(self._turn + i) % n] for i in range(n)]
+        self._turn += 1
+        lanes: dict[int, tuple[Lane, list[_Active]]] = {}
+        for a in order:
+            assert a.pending is not None
+            lanes.setdefault(id(a.pending.lane), (a.pending.lane, []))[1].append(a)
+        for lane, waiting in lanes.values():
+            batch: list[_Active] = []
+            used = 0
+            for a in waiting:
+                size = len(a.pending.entries)  # type: ignore[union-attr]
+                if size > lane.capacity:
+                    a.error = ValueError(f"{size} rows do not fit in a batch of {lane.capacity}")
+                    a.pending = None
+                elif used + size <= lane.capacity:
+                    batch.append(a)
+                    used += size
+            if not batch:
+                continue
+            try:
+                rows = lane.decode([a.pending.entries for a in batch])  # type: ignore[union-attr]
+            except DecodeError as e:
+                for a in batch:
+                    a.error, a.pending = e, None
+                continue
+            for a, r in zip(batch, rows):
+                a.rows, a.pending = r, None
+            if lane is self.target_lane:
+                self.load.sequences, self.load.rows = len(batch), used
+        self.ticks += 1
+        # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
+        self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
+        return len(self._active)
+
+    def run(self) -> None:
+        """Tick until every sequence has ended."""
+        while self.step():
+            pass
