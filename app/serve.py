@@ -73,8 +73,7 @@ from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, GenStats, Prefilled, Token
-from backends.kv import common_prefix
-from backends.scheduler import Scheduler
+from backends.batch import SlotPool
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, strategy_label
 from backends.sampling import GenParams
 
@@ -450,11 +449,10 @@ class Job:
 class _Running:
     """A request in the scheduler: its job, its slot, and whether its answer has begun."""
 
-    __slots__ = ("job", "slot", "t0", "started", "answered")
+    __slots__ = ("job", "t0", "started", "answered")
 
-    def __init__(self, job: Job, slot: int) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
-        self.slot = slot
         self.t0 = time.perf_counter()
         self.started = False  # Prefilled came: tokens follow
         self.answered = False  # its Done or Failed went out
@@ -463,26 +461,23 @@ class _Running:
 class EngineWorker:
     """The one thread that runs llama.cpp: up to `parallel` requests decode together, the rest wait in order.
 
-    Each running request has a slot of the engine (its own sequence ids and
-    cells, backends.slot); their strategies' rows go into one batch per step
-    (backends.scheduler.Scheduler). A request joins at the next step after a
-    slot frees, in arrival order; a free slot whose cache holds the longest
-    prefix of its prompt is chosen, so a chat client that re-sends its
-    conversation decodes only the new turn. A request that fails ends alone
-    and empties only its own slot.
+    Each running request has a slot of the engine (backends.batch.SlotPool:
+    its own sequence ids and cells, the free slot whose cache holds the
+    longest prefix of its prompt); their strategies' rows go into one batch
+    per step. A request joins at the next step after a slot frees, in arrival
+    order. A request that fails ends alone and empties only its own slot.
     """
 
     def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED) -> None:
         self.engine = engine
         self.format = PromptFormat(engine)
-        self.parallel = len(getattr(engine, "slots", ())) or 1
+        self.pool = SlotPool(engine)
+        self.parallel = self.pool.size
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._max_queued = max_queued
         self._lock = threading.Lock()
         self._pending: set[Job] = set()
         self._thread = threading.Thread(target=self._serve, name="specchat-engine", daemon=True)
-        self._scheduler = Scheduler(getattr(engine, "target_lane", None))
-        self._free = list(range(self.parallel))
         self.handled = 0  # requests taken off the queue
         self.cancelled = 0  # of which cancelled (the client went away, or the server is stopping)
 
@@ -504,7 +499,7 @@ class EngineWorker:
 
     @property
     def running(self) -> int:
-        return self.parallel - len(self._free)
+        return self.pool.running
 
     def cancel_all(self) -> None:
         with self._lock:
@@ -520,17 +515,17 @@ class EngineWorker:
 
     def _serve(self) -> None:
         stopping = False
-        while not stopping or len(self._scheduler):
-            while self._free and not stopping:
+        while not stopping or len(self.pool):
+            while self.pool.free and not stopping:
                 try:  # wait for work only when there is nothing to step
-                    job = self._queue.get(block=not len(self._scheduler))
+                    job = self._queue.get(block=not len(self.pool))
                 except queue.Empty:
                     break
                 if job is None:
                     stopping = True
                 else:
                     self._admit(job)
-            self._scheduler.step()
+            self.pool.step()
         while not self._queue.empty():  # submitted while the server stopped
             if (job := self._queue.get_nowait()) is not None:
                 self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
@@ -552,13 +547,6 @@ class EngineWorker:
             return list(request.prompt)
         return self.format.raw(request.prompt)
 
-    def _pick_slot(self, prompt: list[int]) -> int:
-        """The free slot whose cache holds the longest prefix of `prompt` (the first free one if none does)."""
-        slots = getattr(self.engine, "slots", None)
-        if not slots:
-            return self._free[0]
-        return max(self._free, key=lambda i: (common_prefix(slots[i].target.tokens, prompt), -i))
-
     def _admit(self, job: Job) -> None:
         """Start `job` in a free slot, or answer it at once (cancelled, or refused before it could start)."""
         if job.cancelled:
@@ -568,22 +556,17 @@ class EngineWorker:
                                               code="cancelled")))
             return
         request = job.request
+        running = _Running(job)
         try:
-            prompt = self._tokens(request)
-            slot = self._pick_slot(prompt)
-            steps = self.engine.strategy(request.strategy, request.options, slot=slot).steps(
-                prompt, request.params, lambda: job.cancelled)
+            self.pool.admit(request.strategy, request.options, self._tokens(request), request.params,
+                            lambda event: self._on_event(running, event), lambda error: self._on_end(running, error),
+                            lambda: job.cancelled)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the server
             if is_user_error(e):
                 log.info("%s: refused: %s", job.id, describe(e))
             else:
                 log.exception("%s: generation failed", job.id)
             self._finish(job, Failed(_from_exception(e)))
-            return
-        self._free.remove(slot)
-        running = _Running(job, slot)
-        self._scheduler.add(steps, lambda event: self._on_event(running, event),
-                            lambda error: self._on_end(running, error))
 
     def _on_event(self, r: _Running, event: object) -> None:
         job = r.job
@@ -595,8 +578,6 @@ class EngineWorker:
         elif isinstance(event, Done):
             self.cancelled += event.reason == "cancelled"
             _log_done(job, event, time.perf_counter() - r.t0)
-            if not r.started and event.reason == "error":
-                self._reset_slot(r.slot)
             # Failed or cancelled before the prompt was in: nothing was streamed, the answer is an error.
             r.answered = True
             self._finish(job, event if r.started else Failed(_done_error(event)))
@@ -607,20 +588,10 @@ class EngineWorker:
                 log.info("%s: refused: %s", r.job.id, describe(error))
             else:
                 log.error("%s: generation failed", r.job.id, exc_info=error)
-            self._reset_slot(r.slot)  # stopped halfway through a step: what its caches hold is unknown
-            if not r.answered:
+            if not r.answered:  # the pool emptied its slot: a step stopped halfway left its caches unknown
                 self._finish(r.job, Failed(_from_exception(error)))
         elif not r.answered:  # a machine that ended without Done (never, for the strategies of backends/)
             self._finish(r.job, Failed(ApiError(500, "the generation ended without an answer")))
-        self._free.append(r.slot)
-
-    def _reset_slot(self, slot: int) -> None:
-        """After an unexpected failure a slot's caches hold something unknown: empty them."""
-        slots = getattr(self.engine, "slots", None)
-        if slots:
-            for seq in (slots[slot].target, slots[slot].draft):
-                if seq is not None:
-                    seq.reset()
 
 
 def _log_done(job: Job, done: Done, seconds: float) -> None:

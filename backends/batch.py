@@ -6,8 +6,8 @@ sequence ids and cells, backends.slot) and steps them all with one
 slot when it ends. Of the free slots it takes the one whose cache holds the
 longest prefix of the prompt, as llama-server picks a slot by prompt
 similarity, so a conversation that comes back decodes only its new turn. A
-generation whose machine raises ends alone and its slot is emptied (what a
-step left half done in its caches is unknown).
+generation whose machine raises, or ends in an error, ends alone and its slot
+is emptied (what a step left half done in its caches is unknown).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from backends.config import StrategyOptions
-from backends.events import Event
+from backends.events import Done, Event
 from backends.kv import common_prefix
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
@@ -60,14 +60,20 @@ class SlotPool:
         slot = self.pick(prompt)
         steps = self.engine.strategy(strategy, options, slot=slot).steps(prompt, params, should_stop)
         self.free.remove(slot)
+        failed = []
+
+        def take(event: Event) -> None:
+            if isinstance(event, Done) and event.reason == "error":
+                failed.append(event)
+            sink(event)
 
         def ended(error: BaseException | None) -> None:
-            if error is not None:
+            if error is not None or failed:
                 self.reset(slot)
             self.free.append(slot)
             on_end(error)
 
-        self.scheduler.add(steps, sink, ended)
+        self.scheduler.add(steps, take, ended)
         return slot
 
     def reset(self, slot: int) -> None:

@@ -163,6 +163,8 @@ class Scheduler:
         self.ticks += 1
         # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
+        if not self._active:
+            self.load.sequences, self.load.rows = 1, 1  # whoever decodes next decodes alone
         return len(self._active)
 
     def run(self) -> None:
