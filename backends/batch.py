@@ -30,6 +30,8 @@ class SlotPool:
         self.engine = engine
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
+        for slot in engine.slots:  # auto prices its rows by the batch they join
+            slot.load = self.scheduler.load
 
     @property
     def size(self) -> int:

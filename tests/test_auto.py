@@ -626,3 +626,39 @@ def test_run_needs_no_draft_by_default(tiny) -> None:
     steps = [e for e in lines if e["type"] == "step"]
     assert steps and all(e["choice"] in ("plain", "lookup", "lookahead") for e in steps)
     assert sum(done["stats"]["steps_by_choice"].values()) == len(steps)
+
+
+def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny) -> None:
+    """Alone, a batch of 2 costs 1.1 plain steps and a one-token lookup accepted 40% of the time pays. Beside 3
+    other sequences with 3 rows in all, the same row makes the batch T(5)/T(4) = 1.385 times longer for all 4
+    of them: it costs 1 + 4 x 0.385 plain steps of this sequence and does not pay. Alone again, the decision
+    is the lone one exactly."""
+    from backends.scheduler import BatchLoad
+
+    curve = BatchCost(tuple(0.01 * (1 + 0.1 * (k - 1) if k <= 4 else 1.3 + 0.5 * (k - 4)) for k in range(1, 17)))
+    engine = _engine(tiny, None, DeviceCost(curve, 0.0))
+    try:
+        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
+                          GenParams(max_tokens=64))
+        run_now(gen.prefill())
+        rate = 1 / 0.01
+        alone = gen.relative(2)
+        assert alone == pytest.approx(1.1)
+        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "alone: the lookup pays"
+        gen.slot.load = BatchLoad(sequences=4, rows=4)  # this one's plain row + 3
+        assert gen.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1))
+        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "under load: plain"
+        assert best_chain_length([0.95] * 4, rate, 0.01, gen.relative)[0] == 0, "even a likely chain on a steep curve"
+        flat_engine = _engine(tiny, None, DeviceCost(flat(), 0.0))
+        try:
+            flat_gen = _Generation(AutoDecoding(flat_engine.slots[0], StrategyOptions()),
+                                   flat_engine.tokenize(TINY_PROMPTS[0]), GenParams(max_tokens=64))
+            run_now(flat_gen.prefill())
+            flat_gen.slot.load = BatchLoad(sequences=4, rows=4)
+            assert best_chain_length([0.4], rate, 0.01, flat_gen.relative)[0] == 1, "rows are free: it pays"
+        finally:
+            flat_engine.close()
+        gen.slot.load = BatchLoad()
+        assert gen.relative(2) == alone
+    finally:
+        engine.close()

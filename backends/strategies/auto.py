@@ -507,6 +507,7 @@ class _Generation:
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
+        self.own_rows = 1  # rows this sequence put in its last target batch (the others' are the rest of it)
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
         # For the last decision: the estimate each lookup position is learnt under, and its acceptance as counted.
         self.lookup_keys: list[tuple[int, int]] = []
@@ -536,16 +537,53 @@ class _Generation:
 
     # -- the cost model ------------------------------------------------------
 
+    def _batch(self) -> tuple[int, int]:
+        """(B, L): how many sequences the batch this one decodes in holds, and how many rows the others put
+        in it (backends.scheduler.BatchLoad): (1, 0) alone."""
+        load = self.slot.load
+        return max(load.sequences, 1), max(load.rows - self.own_rows, 0)
+
     def relative(self, k: float) -> float:
-        """T(k)/T(1): the measured curve, its extra cost beyond one token scaled by what verification batches
-        really took (AutoState.batch_scale)."""
-        base = self._curve_relative(k)
+        """What verifying k rows costs, in plain steps of this sequence.
+
+        Alone: T(k)/T(1), the measured curve with its extra cost beyond one
+        token scaled by what verification batches really took
+        (AutoState.batch_scale). Beside others (B sequences, L rows of theirs),
+        the extra rows delay the whole batch: the time they add,
+        T(L+k)/T(L+1) - 1, counts once for each of the B sequences that wait
+        for it (Dinkelbach's rule over the batch's tokens per second, split
+        per sequence, as SmartSpec's goodput prices a batch). A lone sequence
+        gets exactly the decisions it gets alone; under load a row costs
+        more where the curve is steeper and the batch fuller, so fewer
+        sequences speculate, and those whose proposals are likeliest.
+        """
+        b, others = self._batch()
+        return self._shared(self.time_relative(k, others), b, others)
+
+    @staticmethod
+    def _shared(time_relative: float, b: int, others: int) -> float:
+        """A step's time relative to a plain one, as a cost to the batch: its extra counted B times."""
+        if b == 1 and others == 0:
+            return time_relative
+        return 1.0 + b * (time_relative - 1.0)
+
+    def time_relative(self, k: float, others: int = 0) -> float:
+        """How much longer the batch takes with k rows of this sequence than with one (alone: T(k)/T(1)), from
+        the measured curve corrected by what verification batches took."""
+        base = self._curve_relative(k, others)
         if self.curve is None:
             return base
         return 1.0 + max(self.state.batch_scale.factor(), MIN_CURVE_SCALE) * (base - 1.0)
 
-    def _curve_relative(self, k: float) -> float:
-        """T(k)/T(1) as measured; without a measured curve, as steep as it gets (speculation never pays)."""
+    def _curve_relative(self, k: float, others: int = 0) -> float:
+        """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
+        never pays)."""
+        if others:
+            return self._curve_at(others + k) / self._curve_at(others + 1)
+        return self._curve_at(k)
+
+    def _curve_at(self, k: float) -> float:
+        """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
         if self.curve is None:
             return float(k)
         if k > len(self.curve.seconds):  # beyond the measurement: grow linearly from its last slope
@@ -589,7 +627,8 @@ class _Generation:
             k_max = min(self.cfg.draft_max, room)
             if st.draft_step_tokens.value is not None and st.draft_step_cost.value is not None:
                 # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
-                draft = Choice(DRAFT, k_max, st.draft_step_tokens.value, st.draft_step_cost.value * t_plain)
+                draft = Choice(DRAFT, k_max, st.draft_step_tokens.value,
+                               self._shared(st.draft_step_cost.value, *self._batch()) * t_plain)
             else:  # before any draft step: from the acceptance by position
                 t_draft = self.t_draft(t_plain)
                 accept = [st.draft_by_pos.p(i) for i in range(k_max)]
@@ -599,7 +638,9 @@ class _Generation:
             options.append(replace(draft, length=k_max, switch=self.catch_up_seconds(t_plain),
                                    horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON))))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
-            cost = st.lookahead_cost.get(self.relative(self.window.config.batch_size))
+            b, others = self._batch()
+            size = self.window.config.batch_size
+            cost = self._shared(st.lookahead_cost.get(self.time_relative(size, others)), b, others)
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
         best = max([plain, *options], key=lambda o: o.value(rate))
         # Exploration: an option not taken for its interval is tried once, to keep its estimate fresh.
@@ -809,12 +850,13 @@ class _Generation:
                                         "lookup" if source == LOOKUP else "target", choice.why)
         seconds = time.perf_counter() - t0
         self.batch_tokens += len(drafts) + 1
+        self.own_rows = len(drafts) + 1
         if not drafts:
             st.time(st.t_plain, seconds)
             return
         if st.learn_timing:
             t_plain = st.t_plain.get(self.t1 or seconds)
-            predicted = self._curve_relative(len(drafts) + 1) - 1.0
+            predicted = self._curve_relative(len(drafts) + 1, self._batch()[1]) - 1.0
             # A step interrupted (another process, a pause of the collector) says nothing about the curve:
             # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
             st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
@@ -847,6 +889,7 @@ class _Generation:
         yield from window.step(run, choice.why)
         seconds = time.perf_counter() - t0
         self.batch_tokens += window.config.batch_size
+        self.own_rows = window.config.batch_size
         st.lookahead_tokens.add(len(run.output) - before)
         st.time(st.lookahead_cost, seconds / st.t_plain.get(self.t1 or seconds))
 
