@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from app.bench import BenchConfig, format_table, measure_costs, mismatch_lines, run_bench
 from app.errors import print_progress
-from app.bench_plot import write_plot
+from app.bench_plot import write_load_plot, write_plot
 from app.chat_template import ChatMessage
 from app.loading import open_engine
 from app.prompt_format import PromptFormat
@@ -71,6 +71,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--repeats must be at least 1")
     prompts = load_prompt_set(args.prompts, args.limit)
     configs = build_configs(names, options, args.sweep, args.control)
+    if args.clients is not None:
+        return load_bench(args, settings, prompts, configs)
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
     engine = open_engine(settings, n_seq, print_progress)
     target, draft = engine.config.target, engine.config.draft
@@ -127,5 +129,69 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     if args.sweep:
         for s, b in best.items():
             print(f"best {s} on this device: {b['label']} ({b['speedup']:.2f}x)")
+    print(f"\nwrote {json_path} and {png_path}", file=sys.stderr)
+    return 0
+
+
+def parse_clients(text: str) -> list[int]:
+    try:
+        clients = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--clients takes client counts separated by commas, like 1,2,4,8; got {text!r}") from None
+    if not clients or min(clients) < 1:
+        raise ValueError("--clients needs counts of at least 1, like 1,2,4,8")
+    return sorted(set(clients))
+
+
+def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[BenchPrompt],
+               configs: list[BenchConfig]) -> int:
+    """`specchat bench --clients`: app.load_bench's table, bench.json and bench.png."""
+    from app.load_bench import format_load_table, run_load_bench
+    from backends.llama import max_sequences
+
+    clients = parse_clients(args.clients)
+    params = settings.params
+    if args.sweep:
+        raise ValueError("--sweep is for one sequence at a time; the load bench runs the configurations as given")
+    parallel = max(clients)
+    n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
+    if n_seq * parallel > min(max_sequences(), settings.n_batch):
+        raise ValueError(f"{parallel} clients x {n_seq} sequence ids each is over what one batch can hold "
+                         f"({min(max_sequences(), settings.n_batch)}); use fewer clients or a smaller -W/-G/tree")
+    engine = open_engine(settings, n_seq, print_progress, n_parallel=parallel)
+    target, draft = engine.config.target, engine.config.draft
+    try:
+        tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
+        rows_max = min(settings.n_batch, max(args.cost_k_max, 16 * parallel))
+        print_progress(f"measuring the batch cost curve (k = 1..{rows_max})")
+        cost = engine.measure_now(tokenized[0], rows_max)
+        results = run_load_bench(engine, configs, tokenized, params, clients, args.repeats, print_progress)
+    finally:
+        engine.close()
+    rows = [r.summary() for r in results]
+    report = {
+        "target": str(target),
+        "draft": str(draft) if draft else None,
+        "device": {"machine": platform.machine(), "system": platform.system(),
+                   "threads": args.threads or default_threads()},
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "repeats": args.repeats,
+        "clients": clients,
+        "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
+        "batch_cost": cost.batch.as_list() if cost else None,
+        "load": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    png_path = write_load_plot(report, out / "bench.png")
+    print(format_load_table(rows))
+    if params.greedy:
+        differing = [r for r in rows if r["greedy_differing_requests"]]
+        for r in differing:
+            print(f"{r['label']} at {r['clients']} clients: {r['greedy_differing_requests']} request(s) differ from ar's "
+                  "(llama.cpp's batched arithmetic is not batch-invariant: near-ties can flip)")
     print(f"\nwrote {json_path} and {png_path}", file=sys.stderr)
     return 0

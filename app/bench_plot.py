@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def write_plot(report: dict, path: Path) -> Path:
+def _pyplot():
     try:
         import matplotlib
 
@@ -16,6 +16,11 @@ def write_plot(report: dict, path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("the plot needs matplotlib: pip install 'specchat[bench]'") from None
+    return plt
+
+
+def write_plot(report: dict, path: Path) -> Path:
+    plt = _pyplot()
     rows = [r for r in report["results"] if r["strategy"] != "ar"] or report["results"]
     categories = sorted({c for r in rows for c in r["speedup_by_category"]})
     fig, (ax, ax_cost) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
@@ -41,6 +46,30 @@ def write_plot(report: dict, path: Path) -> Path:
         ax_cost.legend(fontsize=8)
     else:
         ax_cost.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_load_plot(report: dict, path: Path) -> Path:
+    """`bench --clients`: aggregate tokens per second and p50 time to first token against the client count."""
+    plt = _pyplot()
+    fig, (ax, ax_ttft) = plt.subplots(1, 2, figsize=(12, 5))
+    labels = list(dict.fromkeys(r["label"] for r in report["load"]))
+    for label in labels:
+        rows = sorted((r for r in report["load"] if r["label"] == label), key=lambda r: r["clients"])
+        xs = [r["clients"] for r in rows]
+        ax.plot(xs, [r["aggregate_tokens_per_second"] for r in rows], marker="o", label=label)
+        ax_ttft.plot(xs, [r["ttft_p50"] for r in rows], marker="o", label=label)
+    ax.set_xlabel("clients at once")
+    ax.set_ylabel("tokens per second, all clients")
+    ax.set_title(f"{Path(report['target']).name}: throughput under load")
+    ax.legend(fontsize=8)
+    ax_ttft.set_xlabel("clients at once")
+    ax_ttft.set_ylabel("time to first token, p50 (s)")
+    ax_ttft.set_title("latency")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--control", action="store_true",
                        help="run ar twice (an A/A row): its ratio is this machine's noise")
     bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")
+    bench.add_argument("--clients", default=None, metavar="LIST",
+                       help="load bench: C clients at once for each C in LIST (e.g. 1,2,4,8), each sending the "
+                            "prompts one after another through the server's batching scheduler: aggregate tok/s, "
+                            "time to first token, per-request tok/s (default: one sequence at a time)")
     bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
     bench.add_argument("--raw", action="store_true",
                        help="send the prompts as they are, without the model's chat template")

@@ -1,7 +1,7 @@
 """`specchat serve`: an OpenAI-compatible HTTP server over one engine.
 
 Routes, shaped as OpenAI's API and llama.cpp's `llama-server` shape them:
-`GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (the messages go
+`GET /health`, `GET /slots`, `GET /v1/models`, `POST /v1/chat/completions` (the messages go
 through the model's chat template, `app.prompt_format.PromptFormat.tokens`;
 plain text for a model without one) and `POST /v1/completions` (the prompt
 text as it is, `PromptFormat.raw`). Both stream as server-sent events
@@ -817,7 +817,12 @@ class Server:
     async def health(self, request: Request) -> Response:
         w = self.worker
         return JSONResponse({"status": "ok", "parallel": w.parallel, "running": w.running, "queued": w.queued,
-                             "handled": w.handled, "cancelled": w.cancelled})
+                             "handled": w.handled, "cancelled": w.cancelled, "kv_errors": w.pool.kv_errors})
+
+    async def slots(self, request: Request) -> Response:
+        """llama-server's GET /slots: what each slot is doing and how much of a prompt it holds."""
+        self._authorize(request)
+        return JSONResponse(self.worker.pool.slots())
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -913,6 +918,7 @@ def make_app(config: ServerConfig, worker: EngineWorker) -> Starlette:
         routes=[
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/slots", server.slots, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
         ],

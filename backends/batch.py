@@ -30,6 +30,7 @@ class SlotPool:
         self.engine = engine
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
+        self.kv_errors = 0  # slots found holding other cells than their record after a generation (emptied)
         for slot in engine.slots:  # auto prices its rows by the batch they join
             slot.load = self.scheduler.load
 
@@ -72,11 +73,34 @@ class SlotPool:
         def ended(error: BaseException | None) -> None:
             if error is not None or failed:
                 self.reset(slot)
+            elif not self.consistent(slot):
+                self.kv_errors += 1
+                self.reset(slot)
             self.free.append(slot)
             on_end(error)
 
         self.scheduler.add(steps, take, ended)
         return slot
+
+    def consistent(self, slot: int) -> bool:
+        """Whether a slot's caches hold what its record says: the main branch exactly its tokens, no scratch
+        sequence a cell past it (scratch sequences may share the main branch's cells). Checked after every
+        generation: one that is not is emptied (and counted in `kv_errors`), never decoded on."""
+        s = self.engine.slots[slot]
+        for seq in (s.target, s.draft):
+            if seq is None:
+                continue
+            n = len(seq.tokens)
+            if seq.cells() != n or any(seq.ctx.pos_max(seq.base + i) >= n for i in range(1, seq.n_seq_max)):
+                return False
+        return True
+
+    def slots(self) -> list[dict[str, object]]:
+        """Each slot as llama-server's /slots shows it: id, whether it is running, its context and cached
+        tokens (read from this thread's records only: safe while another thread steps)."""
+        free = set(self.free)
+        return [{"id": i, "is_processing": i not in free, "n_ctx": s.target.n_ctx,
+                 "cached_tokens": len(s.target.tokens)} for i, s in enumerate(self.engine.slots)]
 
     def reset(self, slot: int) -> None:
         """Empty a slot's caches."""

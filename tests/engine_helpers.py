@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from backends.engine import Engine, StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
 from backends.sampling import GenParams
+
+# llama.cpp's arithmetic is not batch-invariant: the same row's logits move by up to 0.014 on the tiny models
+# when it shares a batch with three other sequences (measured: alone vs slot 0 of a 4-slot batch, 4 prompts x
+# 9 positions). A greedy choice whose top-2 gap is under twice that may flip under load.
+BATCH_NOISE = 0.03
 
 
 def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenParams,
@@ -24,3 +31,20 @@ def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenPar
     steps = [e for e in body if isinstance(e, StepEnd)]
     assert len(steps) == done.stats.target_forwards
     return done
+
+
+def top2_gap(engine: Engine, context: list[int]) -> float:
+    """The target's top-2 logit gap after `context`, computed alone (the first slot's caches are emptied)."""
+    seq = engine.target
+    seq.reset()
+    seq.sync(context)
+    top2 = np.sort(seq.logits())[-2:]
+    seq.reset()
+    return float(top2[1] - top2[0])
+
+
+def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
+    """The smallest top-2 gap along the target's greedy path of n tokens: above BATCH_NOISE, batching cannot
+    change the greedy text."""
+    out = run_to_done(engine, "ar", prompt, GenParams(max_tokens=n)).tokens
+    return min(top2_gap(engine, prompt + list(out[:i])) for i in range(len(out)))

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from backends.batch import SlotPool
@@ -23,13 +22,10 @@ from backends.engine import Engine, EngineConfig
 from backends.errors import PromptError
 from backends.events import Done, Event, StepEnd, Token
 from backends.sampling import GenParams
-from engine_helpers import run_to_done
+from engine_helpers import BATCH_NOISE, run_to_done, top2_gap
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PROMPT, PARAMS
 
-# llama.cpp's batched arithmetic moves a logit by up to ~0.05 on these models (test_kv_and_text compares a
-# batch of k tokens with k single decodes to that bound); a top-2 gap above it cannot flip.
-BATCH_NOISE = 0.05
 STRATEGIES = ["ar", "sps", "lookup", "lookahead", "tree", "auto", "sps", "ar"]
 OPTIONS = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0), lookahead=LookaheadConfig(3, 3, 3),
                           lookup=LookupConfig(draft_max=4), tree=TreeConfig(3, 2, 6))
@@ -81,15 +77,6 @@ def _leaks(engine: Engine) -> list[str]:
     return out
 
 
-def _top2_gap(engine: Engine, context: list[int]) -> float:
-    seq = engine.target
-    seq.reset()
-    seq.sync(context)
-    top2 = np.sort(seq.logits())[-2:]
-    seq.reset()
-    return float(top2[1] - top2[0])
-
-
 def test_a_mixed_batch_gives_each_request_its_text_alone(tiny, pooled: Engine) -> None:
     params = GenParams(max_tokens=40, temperature=0.0)
     prompts = [pooled.tokenize(t) for t in TEXTS]
@@ -105,7 +92,7 @@ def test_a_mixed_batch_gives_each_request_its_text_alone(tiny, pooled: Engine) -
             if done.tokens != alone.tokens:
                 i = next((i for i, (a, b) in enumerate(zip(done.tokens, alone.tokens)) if a != b),
                          min(len(done.tokens), len(alone.tokens)))
-                gap = _top2_gap(alone_engine, prompt + list(alone.tokens[:i]))
+                gap = top2_gap(alone_engine, prompt + list(alone.tokens[:i]))
                 divergences.append((strategy, i, gap))
                 print(f"divergence: {strategy} at output token {i}, top-2 logit gap alone {gap:.5f}")
         assert all(gap < BATCH_NOISE for _, _, gap in divergences), divergences
