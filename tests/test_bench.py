@@ -132,3 +132,35 @@ def test_bench_rotates_the_order_and_runs_an_aa_control(tiny, tmp_path: Path) ->
     control = rows["ar (control)"]
     assert control["strategy"] == "ar" and control["greedy_matches_ar"] is True and control["speedup"] > 0
     assert "ar (control)" in r.stdout and rows["ar"]["speedup"] == 1.0
+
+
+def test_load_bench_with_clients(tiny, tmp_path: Path) -> None:
+    """`bench --clients 1,3`: every configuration at each client count, aggregate tok/s, TTFT and the ratio to
+    ar at the same count, in the table, the JSON and the plot; greedy outputs are checked against ar's."""
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-md", str(tiny.draft), "-s", "ar,sps,auto",
+         "--clients", "1,3", "--repeats", "2", "--limit", "4", "-n", "16", "-t", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["clients"] == [1, 3] and len(report["prompts"]) == 4
+    rows = {(row["label"], row["clients"]): row for row in report["load"]}
+    assert set(rows) == {(label, c) for label in ("ar", "sps K=6 p_min=0.4", "auto") for c in (1, 3)}
+    for (label, clients), row in rows.items():
+        assert row["aggregate_tokens_per_second"] > 0 and 0 < row["ttft_p50"] <= row["ttft_p95"]
+        assert row["request_tokens_per_second"] > 0
+        if label == "ar":
+            assert row["speedup_vs_ar"] == 1.0 and row["tokens_per_forward"] == pytest.approx(1.0, abs=0.05)
+    assert rows[("sps K=6 p_min=0.4", 1)]["acceptance_rate"] > 0
+    assert rows[("sps K=6 p_min=0.4", 1)]["greedy_differing_requests"] == 0, "alone, sps gives ar's text"
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:2] == ["clients", "configuration"] and len(lines) == 2 + len(rows)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_bench_refuses_bad_client_lists(tiny, tmp_path: Path) -> None:
+    for bad in ("0", "two", ","):
+        r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "--clients", bad,
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--clients" in r.stderr, r.stderr
