@@ -12,11 +12,13 @@ chat app and `bench` go through it, so there is one decode path.
 `Scheduler` drives many, as llama-server's slots and vLLM's scheduler do
 (continuous batching). One tick: every sequence runs until it wants rows
 decoded (or ends), then each lane (the target's context, the draft's) packs
-the waiting requests into one batch, up to its capacity, and decodes it once.
-A sequence drafting with the draft model waits for the draft lane while
-others are verified on the target's: both lanes decode each tick. Requests
+the waiting requests into one batch, up to its capacity, and decodes it.
+The draft lane runs first, until no sequence waits on it: every sequence
+that drafts drafts its whole chain within the tick, batched with the other
+drafters (llama-server drafts for all slots at once too), and the target
+decode then verifies every chain together. Requests
 join between ticks (`add`) and leave when their machine ends; a request that
-does not fit this tick's batch goes first in the next one. A failed decode is
+does not fit this tick's batch waits for the next one (who goes first rotates). A failed decode is
 thrown into every sequence that had rows in it (their strategies end with
 `Done(reason="error")`), and a sequence whose machine raises ends alone.
 
@@ -125,41 +127,65 @@ class Scheduler:
             a.on_end(e)
         return False
 
+    def _decode(self, lane: Lane, waiting: list[_Active]) -> list[_Active]:
+        """Pack the waiting requests of one lane into one batch, in order, as many as fit, and decode it; the
+        sequences that got their rows (or the decode's error)."""
+        batch: list[_Active] = []
+        used = 0
+        for a in waiting:
+            size = len(a.pending.entries)  # type: ignore[union-attr]
+            if size > lane.capacity:
+                a.error = ValueError(f"{size} rows do not fit in a batch of {lane.capacity}")
+                a.pending = None
+            elif used + size <= lane.capacity:
+                batch.append(a)
+                used += size
+        if not batch:
+            return [a for a in waiting if a.pending is None]
+        try:
+            rows = lane.decode([a.pending.entries for a in batch])  # type: ignore[union-attr]
+        except DecodeError as e:
+            for a in batch:
+                a.error, a.pending = e, None
+            return batch
+        for a, r in zip(batch, rows):
+            a.rows, a.pending = r, None
+        if lane is self.target_lane:
+            self.load.sequences, self.load.rows = len(batch), used
+        return [a for a in waiting if a.pending is None]
+
+    def _by_lane(self, order: list[_Active], inner: bool) -> dict[int, tuple[Lane, list[_Active]]]:
+        lanes: dict[int, tuple[Lane, list[_Active]]] = {}
+        for a in order:
+            if a.pending is not None and (a.pending.lane is not self.target_lane) == inner:
+                lanes.setdefault(id(a.pending.lane), (a.pending.lane, []))[1].append(a)
+        return lanes
+
     def step(self) -> int:
-        """One tick; returns how many sequences are still running."""
+        """One step of every sequence: one target decode; returns how many sequences are still running.
+
+        Before it, the other lanes (the draft's) run until nobody waits on
+        them: every sequence that drafts drafts its whole chain in this step,
+        its draft decodes batched with the other drafters', and the target
+        decode then verifies every chain at once. (Were the draft lane decoded
+        once per step, a chain of K tokens would take K steps of everyone's
+        time and could never beat plain decoding.)
+        """
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
         if not self._active:
             return 0
         n = len(self._active)
         order = [self._active[(self._turn + i) % n] for i in range(n)]
         self._turn += 1
-        lanes: dict[int, tuple[Lane, list[_Active]]] = {}
-        for a in order:
-            assert a.pending is not None
-            lanes.setdefault(id(a.pending.lane), (a.pending.lane, []))[1].append(a)
-        for lane, waiting in lanes.values():
-            batch: list[_Active] = []
-            used = 0
-            for a in waiting:
-                size = len(a.pending.entries)  # type: ignore[union-attr]
-                if size > lane.capacity:
-                    a.error = ValueError(f"{size} rows do not fit in a batch of {lane.capacity}")
-                    a.pending = None
-                elif used + size <= lane.capacity:
-                    batch.append(a)
-                    used += size
-            if not batch:
-                continue
-            try:
-                rows = lane.decode([a.pending.entries for a in batch])  # type: ignore[union-attr]
-            except DecodeError as e:
-                for a in batch:
-                    a.error, a.pending = e, None
-                continue
-            for a, r in zip(batch, rows):
-                a.rows, a.pending = r, None
-            if lane is self.target_lane:
-                self.load.sequences, self.load.rows = len(batch), used
+        outer = self.target_lane is not None
+        while outer and (inner := self._by_lane(order, inner=True)):
+            for lane, waiting in inner.values():
+                for a in self._decode(lane, waiting):  # on to their next request while the logits are valid
+                    if not self._advance(a):  # ended
+                        order.remove(a)
+                        self._active.remove(a)
+        for lane, waiting in self._by_lane(order, inner=False).values():
+            self._decode(lane, waiting)
         self.ticks += 1
         # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
