@@ -173,8 +173,11 @@ class LookaheadDecoding(StepMachine):
         first_token: list[int] = []
 
         def prefill() -> Generator[Decode, list[int], int]:
-            # As lookahead.cpp: the whole prompt, then the first token from its logits.
-            cached = yield from target.syncing(prompt)
+            # As lookahead.cpp, batch for batch: the prompt but its last token, then the last token alone, and the
+            # first token from its logits. (One batch for the whole prompt rounds that cell's keys and values
+            # otherwise; the window's guesses are argmaxes over near-ties, and they follow.)
+            cached = yield from target.syncing(prompt[:-1], logits=False)
+            yield from target.extending(prompt[-1:])
             logits = target.logits()
             first_token.append(argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng))
             return cached
