@@ -138,6 +138,9 @@ BACKOFF_MAX = 3
 # the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
 # whole on whichever answer it falls in.
 TRY_DRAFT_MAX = 3
+# Under load, an extra row is priced by the curve's slope over at least this many rows from the batch's size
+# (_curve_relative): a single step of the measured curve may be flat.
+LOAD_SLOPE_SPAN = 4
 # The least the batch cost curve's extra cost is scaled by (Calibration can approach 0 when verification batches
 # keep taking no longer than a plain step, as they may on a GPU): a row is never taken as free.
 MIN_CURVE_SCALE = 0.1
@@ -537,6 +540,17 @@ class _Generation:
 
     # -- the cost model ------------------------------------------------------
 
+    def _timing(self) -> bool:
+        """Whether what this step takes is learnt: alone only. Beside others, a step's wall time holds their
+        rows and prompt chunks too, so the times learnt alone (and the curve) are kept, and only acceptance is
+        learnt (learnt from ticks, a plain step's time swelled with others' prompt chunks and took the curve's
+        correction to its floor: lookups accepted 15% of the time looked worth verifying)."""
+        return self.state.learn_timing and self._batch() == (1, 0)
+
+    def _time(self, ewma: Ewma, x: float) -> None:
+        if self._timing():
+            ewma.add(x)
+
     def _batch(self) -> tuple[int, int]:
         """(B, L): how many sequences the batch this one decodes in holds, and how many rows the others put
         in it (backends.scheduler.BatchLoad): (1, 0) alone."""
@@ -577,10 +591,19 @@ class _Generation:
 
     def _curve_relative(self, k: float, others: int = 0) -> float:
         """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
-        never pays)."""
-        if others:
-            return self._curve_at(others + k) / self._curve_at(others + 1)
-        return self._curve_at(k)
+        never pays).
+
+        Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
+        measured on a busy machine is made non-decreasing by suffix minima (backends.cost.monotone), which
+        leaves flat steps (T(4) = T(5) in a measurement here), and on a flat step one more row would look free
+        to every sequence of a full batch (lookups accepted 18% of the time were then verified on a third of
+        the steps, and the batch ran at 0.85x plain batched decoding)."""
+        if not others:
+            return self._curve_at(k)
+        lo = others + 1
+        hi = max(others + k, lo + LOAD_SLOPE_SPAN)
+        slope = (self._curve_at(hi) - self._curve_at(lo)) / (hi - lo)
+        return 1.0 + max(slope, 0.0) * (k - 1) / self._curve_at(lo)
 
     def _curve_at(self, k: float) -> float:
         """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
@@ -669,7 +692,12 @@ class _Generation:
         return max(1, min(o.length, 2))
 
     def t_draft(self, t_plain: float) -> float:
-        """Seconds per draft decode: measured, seeded from the device cost, else half a plain step."""
+        """Seconds a draft decode costs: measured alone, seeded from the device cost, else half a plain step.
+        Beside others, once for each of the B sequences in the batch: they all wait for the draft phase of the
+        step (backends.scheduler)."""
+        return self._t_draft_alone(t_plain) * self._batch()[0]
+
+    def _t_draft_alone(self, t_plain: float) -> float:
         return self.state.t_draft.get(t_plain * 0.5)
 
     def catch_up_seconds(self, t_plain: float) -> float:
@@ -691,8 +719,8 @@ class _Generation:
         lag = len(self.run.context) - len(draft.tokens)
         if lag <= CHAIN_LAG:
             return 0.0
-        per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.t_draft(t_plain))
-        return (lag - 1) * per_token
+        per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self._t_draft_alone(t_plain))
+        return (lag - 1) * per_token * self._batch()[0]  # the batch waits for it, as for a draft decode
 
     def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
         """The shortest chain, for the record (what it would give) when no length pays."""
@@ -744,7 +772,7 @@ class _Generation:
             # step is measured to cost (one draft decode stands for it), or a draft tried after a long
             # plain stretch would look dear and never be taken again.
             self.catch_up = max(time.perf_counter() - t0 - t_draft, 0.0)
-            st.time(st.catch_up, self.catch_up / (lag - 1))
+            self._time(st.catch_up, self.catch_up / (lag - 1))
         else:
             self.catch_up = 0.0
         decodes = 1
@@ -786,7 +814,7 @@ class _Generation:
             yield from draft.extending([tok])
             decodes += 1
         self.draft_decodes += decodes
-        st.time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
+        self._time(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
         return tokens, dists, confs
 
     def _continue_gain(self, reach: float, a: float, n: int, k_max: int, rate: float, t_plain: float,
@@ -838,8 +866,8 @@ class _Generation:
         else:
             yield from self._chain([], None, PLAIN, choice, [])
         seconds = time.perf_counter() - t0
-        st.time(st.tokens, len(run.output) - before)
-        st.time(st.seconds, seconds)
+        self._time(st.tokens, len(run.output) - before)
+        self._time(st.seconds, seconds)
         run.extra.update(self.stats())
 
     def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
@@ -852,9 +880,9 @@ class _Generation:
         self.batch_tokens += len(drafts) + 1
         self.own_rows = len(drafts) + 1
         if not drafts:
-            st.time(st.t_plain, seconds)
+            self._time(st.t_plain, seconds)
             return
-        if st.learn_timing:
+        if self._timing():
             t_plain = st.t_plain.get(self.t1 or seconds)
             predicted = self._curve_relative(len(drafts) + 1, self._batch()[1]) - 1.0
             # A step interrupted (another process, a pause of the collector) says nothing about the curve:
@@ -877,7 +905,7 @@ class _Generation:
         yield from self._chain(tokens, None if self.params.greedy else dists, DRAFT if tokens else PLAIN, choice, [],
                                confs)
         st.draft_step_tokens.add(len(run.output) - before)
-        st.time(st.draft_step_cost, (time.perf_counter() - t0 - self.catch_up) / st.t_plain.get(self.t1 or 1.0))
+        self._time(st.draft_step_cost, (time.perf_counter() - t0 - self.catch_up) / st.t_plain.get(self.t1 or 1.0))
 
     def _lookahead_step(self, choice: Choice) -> Iterator[object]:
         st, run = self.state, self.run
@@ -891,7 +919,7 @@ class _Generation:
         self.batch_tokens += window.config.batch_size
         self.own_rows = window.config.batch_size
         st.lookahead_tokens.add(len(run.output) - before)
-        st.time(st.lookahead_cost, seconds / st.t_plain.get(self.t1 or seconds))
+        self._time(st.lookahead_cost, seconds / st.t_plain.get(self.t1 or seconds))
 
     def stats(self) -> dict[str, object]:
         steps = max(self.run.forwards, 1)
