@@ -62,10 +62,12 @@ def run_solo(steps: Steps) -> Iterator[Event]:
 
 @dataclass
 class BatchLoad:
-    """The last target batch: how many sequences had rows in it, and how many rows it had in all."""
+    """The last target batch: how many sequences had rows in it, and how many rows it had in all; and how many
+    sequences the scheduler runs now (those that just joined included)."""
 
     sequences: int = 1
     rows: int = 1
+    running: int = 1
 
     def others(self, own_rows: int = 1) -> tuple[int, int]:
         """(sequences, rows) beside one sequence that put `own_rows` rows in it."""
@@ -108,6 +110,7 @@ class Scheduler:
         """A new sequence; it starts at the next tick. `on_end(None)` when its machine ends, `on_end(exc)`
         when it raised (after which its strategy's caches are in an unknown state)."""
         self._active.append(_Active(steps, sink, on_end))
+        self.load.running = len(self._active)
 
     def _advance(self, a: _Active) -> bool:
         """Run `a` to its next request; False when it ended."""
@@ -189,6 +192,7 @@ class Scheduler:
         self.ticks += 1
         # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
+        self.load.running = max(len(self._active), 1)
         if not self._active:
             self.load.sequences, self.load.rows = 1, 1  # whoever decodes next decodes alone
         return len(self._active)
