@@ -18,7 +18,7 @@ verification and SmartSpec's "goodput" apply (expected accepted tokens per
 unit of time, from a cost model measured on the device); TensorRT-LLM's
 switch-off at low acceptance is its special case. The inputs:
   - expected tokens: the chance a proposed token is accepted, learnt live per
-    proposer and kept across the turns of a conversation (the engine holds
+    proposer and kept across the turns of a conversation (the engine's Learnt holds
     the state): for the draft by its confidence (its top probability, as
     llama.cpp's --draft-p-min reads it; EAGLE-2 shows it tracks acceptance)
     and by position, for lookup by match length and position, for lookahead
@@ -256,8 +256,8 @@ def sampling_mode(params: GenParams) -> str:
 
 @dataclass
 class AutoState:
-    """What `auto` has learnt on one engine in one sampling mode: kept across turns (Engine.auto_states) and
-    between sessions (Engine.keep_learnt)."""
+    """What `auto` has learnt on one engine in one sampling mode: kept across turns and requests (Learnt.session)
+    and between sessions (Learnt.keep)."""
 
     # Draft: by confidence bin (prior: the confidence itself, a calibrated draft) and by position.
     draft_by_conf: Acceptance = field(default_factory=lambda: Acceptance(
@@ -292,12 +292,7 @@ class AutoState:
     # False: keep the times the device cost gave and learn only acceptance (tests pin a synthetic device so).
     learn_timing: bool = True
 
-    def time(self, ewma: Ewma, x: float) -> None:
-        """Add a measured time (or time ratio) to one of the timing estimates."""
-        if self.learn_timing:
-            ewma.add(x)
-
-    # Kept between sessions (Engine.keep_learnt), so that a new one, or a one-off `specchat run`, does not pay
+    # Kept between sessions (Learnt.keep), so that a new one, or a one-off `specchat run`, does not pay
     # the first tries again: without it, 128-token runs at temperature 0.8 on the instruct pair spent 16% of
     # their steps trying options and ran at 0.96x plain decoding (geometric mean over the chat prompts; 0.87x
     # on the worst), where the state kept from earlier runs gave 1.08x. `since` is of this session (a new one

@@ -1,4 +1,4 @@
-"""What a new session of `auto` gains from what earlier ones kept (Engine.keep_learnt). Not a test.
+"""What a new session of `auto` gains from what earlier ones kept (Learnt.keep). Not a test.
 
 `processes`: whole `specchat run` processes, as a user runs them, on the
 chat set through the instruct pair's template: `ar`, `auto` with a learnt

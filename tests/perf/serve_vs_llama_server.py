@@ -1,0 +1,198 @@
+"""specchat serve against llama-server under concurrent clients, over HTTP, side by side (not a test).
+
+Both servers load the same GGUF files with the same threads, slots and context
+per slot, and are sent the same requests with the official `openai` client:
+the chat prompt set through the template, streamed, `max_tokens` each, at the
+given temperature (seeded per request). C clients each send their share of
+the requests one after another (a closed loop), for each C; the servers take
+turns going first for each C and repeat. Reported per server and C: aggregate
+completion tokens per second over the wall time of all requests, p50/p95
+time to first token (first content delta), the median over repeats, and each
+server's ratio to the first server at the same C and repeat.
+
+llama-server comes from ../shared/tools/build-llama-cpp-reference.sh (the
+same vendored llama.cpp). Servers, with their flags:
+
+    python tests/perf/serve_vs_llama_server.py --clients 1,2,4,8 --repeats 3 --temp 0.8 \\
+        --server "specchat ar=-s ar" --server "specchat auto=-s auto" \\
+        --server "llama-server=" --server "llama-server draft=-md DRAFT --spec-draft-n-max 6"
+
+A server spec is NAME=FLAGS; a name starting with "llama-server" runs llama-server, any other specchat serve;
+DRAFT in the flags is replaced by the draft file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from app.prompt_sets import load_prompt_set  # noqa: E402
+from models.resolve import resolve_model  # noqa: E402
+
+MODEL_ID = ["model"]  # the target file's stem: specchat serve's model id (llama-server takes any)
+REFERENCE_BIN = Path(os.environ.get("SPECCHAT_REF_DIR", Path.home() / ".cache/specchat-reference")) / \
+    "0.3.36/build/bin"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, flags: str, target: Path, draft: Path, parallel: int, n_ctx: int, threads: int,
+                 log_dir: Path) -> None:
+        self.name = name
+        self.port = _free_port()
+        args = [a.replace("DRAFT", str(draft)) for a in flags.split()]
+        if name.startswith("llama-server"):
+            cmd = [str(REFERENCE_BIN / "llama-server"), "-m", str(target), "-np", str(parallel),
+                   "-c", str(n_ctx * parallel), "-t", str(threads), "--port", str(self.port), "--host", "127.0.0.1",
+                   *args]
+            env = {**os.environ, "LD_LIBRARY_PATH": str(REFERENCE_BIN)}
+        else:
+            cmd = [sys.executable, "-m", "app", "serve", "-m", str(target), "-md", str(draft), "-np", str(parallel),
+                   "-c", str(n_ctx), "-t", str(threads), "--port", str(self.port), *args]
+            env = dict(os.environ)
+        self.log = open(log_dir / f"{name.replace(' ', '_')}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(__file__).resolve().parents[2])
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{name} exited: see {self.log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"{name} did not start")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=600)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def one(client: openai.OpenAI, messages: list[dict], n: int, temp: float, seed: int) -> tuple[float, int]:
+    """(time to first content, completion tokens) of one streamed chat request."""
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = client.chat.completions.create(model=MODEL_ID[0], messages=messages, max_tokens=n, temperature=temp, seed=seed,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return (first if first is not None else time.perf_counter() - t0), tokens
+
+
+def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp: float) -> tuple[float, list[float]]:
+    """Aggregate tok/s and every request's TTFT, with `clients` closed-loop clients."""
+    queue = list(range(len(requests)))
+    lock = threading.Lock()
+    ttft: list[float] = []
+    total = [0]
+
+    def client_loop() -> None:
+        c = server.client()
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            t, k = one(c, requests[i], n, temp, seed=1000 + i)
+            with lock:
+                ttft.append(t)
+                total[0] += k
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return total[0] / (time.perf_counter() - t0), ttft
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", default="smollm2")
+    ap.add_argument("-md", default="smollm2-draft")
+    ap.add_argument("--server", action="append", required=True, help="NAME=FLAGS")
+    ap.add_argument("--clients", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("--temp", type=float, default=0.8)
+    ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-c", type=int, default=4096, help="context per slot")
+    args = ap.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    target, draft = resolve_model(args.m), resolve_model(args.md)
+    MODEL_ID[0] = target.stem
+    requests = [[{"role": m.role, "content": m.content} for m in p.messages] or [{"role": "user", "content": p.chat_text()}]
+                for p in load_prompt_set("chat", args.limit)]
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-vs-"))
+    specs = [s.split("=", 1) for s in args.server]
+    results: dict[tuple[str, int], list[tuple[float, list[float]]]] = {}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for c in clients:
+        servers = [Server(name, flags, target, draft, max(clients), args.c, args.t, log_dir) for name, flags in specs]
+        try:
+            for s in servers:  # warm-up
+                load(s, requests[:c], c, 8, args.temp)
+            for rep in range(args.repeats):
+                order = servers[rep % len(servers):] + servers[:rep % len(servers)]
+                got = {}
+                for s in order:
+                    got[s.name] = load(s, requests, c, args.n, args.temp)
+                    results.setdefault((s.name, c), []).append(got[s.name])
+                    print(f"{c} clients, repeat {rep + 1}, {s.name}: {got[s.name][0]:.1f} tok/s", file=sys.stderr)
+                for s in servers:
+                    ratios.setdefault((s.name, c), []).append(got[s.name][0] / got[servers[0].name][0])
+        finally:
+            for s in servers:
+                s.stop()
+    print(f"{'server':22} {'clients':>7} {'tok/s in all':>12} {'vs ' + specs[0][0]:>16} {'TTFT p50':>9} {'TTFT p95':>9}")
+    for (name, c), runs in results.items():
+        agg = statistics.median(r[0] for r in runs)
+        ttft = [t for r in runs for t in r[1]]
+        print(f"{name:22} {c:>7} {agg:>12.1f} {statistics.median(ratios[(name, c)]):>15.2f}x "
+              f"{pct(ttft, 50):>8.3f}s {pct(ttft, 95):>8.3f}s")
+    print(f"logs in {log_dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
