@@ -4,7 +4,7 @@ Starts the server on the demo pair on 127.0.0.1 (a free port, loopback only),
 then:
 1. runs every prompt once, one at a time, at temperature 0: the reference texts;
 2. phase A: `--clients` threads x `--per-client` streamed requests at once
-   (the server queues them FIFO and runs one at a time), each output checked
+   (the server decodes up to --parallel of them together, the rest wait FIFO), each output checked
    against its reference; p50/p95 time to first token and total latency;
 3. phase B: more of the same until `--requests` requests in all, then the
    server's resident memory (VmRSS in /proc/PID/status) against what it was
