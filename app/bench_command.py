@@ -93,15 +93,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         if s != "ar" and (s not in best or row["speedup"] > best[s]["speedup"]):
             best[s] = {"label": row["label"], "speedup": row["speedup"]}
     report = {
-        "target": str(target),
-        "draft": str(draft) if draft else None,
-        "device": {"machine": platform.machine(), "system": platform.system(),
-                   "threads": args.threads or default_threads()},
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "repeats": args.repeats,
+        **_report_head(args, params, target, draft, prompts, tokenized),
         "chat_template": not args.raw and engine.target_info.chat_template is not None,
-        "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
         "batch_cost": cost.as_list() if cost else None,
         "draft_cost": round(draft_cost, 4),
         "results": rows,
@@ -131,6 +124,21 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
             print(f"best {s} on this device: {b['label']} ({b['speedup']:.2f}x)")
     print(f"\nwrote {json_path} and {png_path}", file=sys.stderr)
     return 0
+
+
+def _report_head(args: argparse.Namespace, params, target: Path, draft: Path | None, prompts: list[BenchPrompt],
+                 tokenized: list[list[int]]) -> dict[str, object]:
+    """What every bench.json starts with: the models, the device, the settings and the prompts."""
+    return {
+        "target": str(target),
+        "draft": str(draft) if draft else None,
+        "device": {"machine": platform.machine(), "system": platform.system(),
+                   "threads": args.threads or default_threads()},
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "repeats": args.repeats,
+        "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
+    }
 
 
 def parse_clients(text: str) -> list[int]:
@@ -170,15 +178,8 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
         engine.close()
     rows = [r.summary() for r in results]
     report = {
-        "target": str(target),
-        "draft": str(draft) if draft else None,
-        "device": {"machine": platform.machine(), "system": platform.system(),
-                   "threads": args.threads or default_threads()},
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "repeats": args.repeats,
+        **_report_head(args, params, target, draft, prompts, tokenized),
         "clients": clients,
-        "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
         "batch_cost": cost.batch.as_list() if cost else None,
         "load": rows,
     }

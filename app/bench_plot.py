@@ -19,6 +19,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plot(report: dict, path: Path) -> Path:
     plt = _pyplot()
     rows = [r for r in report["results"] if r["strategy"] != "ar"] or report["results"]
@@ -46,11 +54,7 @@ def write_plot(report: dict, path: Path) -> Path:
         ax_cost.legend(fontsize=8)
     else:
         ax_cost.axis("off")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_load_plot(report: dict, path: Path) -> Path:
@@ -70,8 +74,4 @@ def write_load_plot(report: dict, path: Path) -> Path:
     ax_ttft.set_xlabel("clients at once")
     ax_ttft.set_ylabel("time to first token, p50 (s)")
     ax_ttft.set_title("latency")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
