@@ -447,7 +447,7 @@ class Job:
 
 
 class _Running:
-    """A request in the scheduler: its job, its slot, and whether its answer has begun."""
+    """A request in the pool: its job, when it started, and whether its answer has begun or gone out."""
 
     __slots__ = ("job", "t0", "started", "answered")
 
