@@ -111,9 +111,7 @@ class ConfigResult:
 
 
 def _run(engine: Engine, config: BenchConfig, tokens: list[int], params: GenParams) -> Done:
-    engine.target.reset()
-    if engine.draft is not None:
-        engine.draft.reset()
+    engine.slots[0].reset()
     done = until_done(engine.strategy(config.strategy, config.options).generate(tokens, params))
     if done.reason == "error":
         raise RuntimeError(f"{config.label}: {done.error}")
@@ -188,9 +186,7 @@ def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[Batch
     if measured is None:
         raise UserError(f"no room to measure the batch cost: --cost-k-max must be at least 2 and the first prompt "
                         f"({len(context)} tokens) must leave 2 free cells in the context ({engine.target.n_ctx})")
-    engine.target.reset()
-    if engine.draft is not None:
-        engine.draft.reset()
+    engine.slots[0].reset()
     return measured.batch, measured.draft
 
 

@@ -100,11 +100,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         "results": rows,
         "best": best,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "bench.json"
-    json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    png_path = write_plot(report, out / "bench.png")
+    json_path, png_path = _write_report(report, Path(args.out), write_plot)
     print(format_table(rows))
     mismatches = mismatch_lines(rows)
     if mismatches:
@@ -139,6 +135,14 @@ def _report_head(args: argparse.Namespace, params, target: Path, draft: Path | N
         "repeats": args.repeats,
         "prompts": [{"category": p.category, "text": p.text, "tokens": len(t)} for p, t in zip(prompts, tokenized)],
     }
+
+
+def _write_report(report: dict, out: Path, plot) -> tuple[Path, Path]:
+    """bench.json and bench.png (drawn by `plot`) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return json_path, plot(report, out / "bench.png")
 
 
 def parse_clients(text: str) -> list[int]:
@@ -183,11 +187,7 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
         "batch_cost": cost.batch.as_list() if cost else None,
         "load": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "bench.json"
-    json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    png_path = write_load_plot(report, out / "bench.png")
+    json_path, png_path = _write_report(report, Path(args.out), write_load_plot)
     print(format_load_table(rows))
     if params.greedy:
         differing = [r for r in rows if r["greedy_differing_requests"]]

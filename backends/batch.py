@@ -22,7 +22,7 @@ from backends.scheduler import Scheduler
 from backends.strategies.base import never
 
 if TYPE_CHECKING:
-    from backends.engine import Engine  # noqa: F401
+    from backends.engine import Engine
 
 
 class SlotPool:
@@ -104,10 +104,7 @@ class SlotPool:
 
     def reset(self, slot: int) -> None:
         """Empty a slot's caches."""
-        s = self.engine.slots[slot]
-        for seq in (s.target, s.draft):
-            if seq is not None:
-                seq.reset()
+        self.engine.slots[slot].reset()
 
     def step(self) -> int:
         """One step of every running generation; how many still run."""

@@ -194,9 +194,7 @@ class Engine:
                 slot.draft.sync(context, logits=False)
             return self.device_cost(k_max, remeasure=True)
         finally:
-            for seq in (slot.target, slot.draft):
-                if seq is not None:
-                    seq.reset()
+            slot.reset()
 
     def known_device_cost(self) -> DeviceCost | None:
         """The device's cost as measured before (in this session or kept on disk), without measuring."""

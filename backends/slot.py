@@ -57,3 +57,9 @@ class Slot:
     device_cost: Callable[[], DeviceCost | None]
     learnt: Learnt
     load: BatchLoad = field(default_factory=BatchLoad)
+
+    def reset(self) -> None:
+        """Empty this slot's caches, the target's and the draft's (another slot's cells stay)."""
+        for seq in (self.target, self.draft):
+            if seq is not None:
+                seq.reset()

@@ -54,6 +54,15 @@ def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int 
     return engine
 
 
+def _prefilled(engine: Engine, options: StrategyOptions = StrategyOptions(), prompt: list[int] | None = None,
+               max_tokens: int = 64) -> _Generation:
+    """One generation of auto on the engine's first slot, its prompt decoded, to ask its decisions directly."""
+    prompt = engine.tokenize(TINY_PROMPTS[0]) if prompt is None else prompt
+    gen = _Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=max_tokens))
+    run_now(gen.prefill())
+    return gen
+
+
 # -- the decision rule, pure ------------------------------------------------------------------------------------------
 
 def test_flat_curve_and_high_acceptance_speculate_long() -> None:
@@ -160,8 +169,7 @@ def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
             state.draft_step_tokens.add(2.0)
             state.draft_step_cost.add(1.6)
         prompt = engine.tokenize(TINY_PROMPTS[0])
-        gen = _Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=400))
-        run_now(gen.prefill())
+        gen = _prefilled(engine, options, prompt, max_tokens=400)
         assert gen.decide([], 0).option == "draft", "in sync: no catch-up, the draft pays"
         context = gen.run.context
         context.extend([context[-1]] * 10)  # decoded while the draft stood by (decide reads only the lag)
@@ -184,9 +192,7 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
     curve = BatchCost(tuple(0.01 * (1.0 if k == 1 else 0.8 + 0.4 * k) for k in range(1, 17)))
     engine = _engine(tiny, None, DeviceCost(curve, 0.0))
     try:
-        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
-                          GenParams(max_tokens=64))
-        run_now(gen.prefill())
+        gen = _prefilled(engine)
         rate = 1 / 0.01
         assert gen.relative(2) == pytest.approx(1.6) and gen.relative(3) == pytest.approx(2.0)
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "on the measured curve: plain"
@@ -196,9 +202,7 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
         assert gen.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
         assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "on the corrected one: lookup"
         engine.auto_states["greedy"] = AutoState(learn_timing=False)
-        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
-                          GenParams(max_tokens=64))
-        run_now(gen.prefill())
+        gen = _prefilled(engine)
         for _ in range(300):
             engine.auto_states["greedy"].batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
         assert gen.relative(2) == pytest.approx(2.2, abs=0.05)
@@ -638,9 +642,7 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
     curve = BatchCost(tuple(0.01 * (1 + 0.1 * (k - 1) if k <= 4 else 1.3 + 0.5 * (k - 4)) for k in range(1, 17)))
     engine = _engine(tiny, None, DeviceCost(curve, 0.0))
     try:
-        gen = _Generation(AutoDecoding(engine.slots[0], StrategyOptions()), engine.tokenize(TINY_PROMPTS[0]),
-                          GenParams(max_tokens=64))
-        run_now(gen.prefill())
+        gen = _prefilled(engine)
         rate = 1 / 0.01
         alone = gen.relative(2)
         assert alone == pytest.approx(1.1)
@@ -651,9 +653,7 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
         assert best_chain_length([0.95] * 4, rate, 0.01, gen.relative)[0] == 0, "even a likely chain on a steep curve"
         flat_engine = _engine(tiny, None, DeviceCost(flat(), 0.0))
         try:
-            flat_gen = _Generation(AutoDecoding(flat_engine.slots[0], StrategyOptions()),
-                                   flat_engine.tokenize(TINY_PROMPTS[0]), GenParams(max_tokens=64))
-            run_now(flat_gen.prefill())
+            flat_gen = _prefilled(flat_engine)
             flat_gen.slot.load = BatchLoad(sequences=4, rows=4)
             assert best_chain_length([0.4], rate, 0.01, flat_gen.relative)[0] == 1, "rows are free: it pays"
         finally:

@@ -74,9 +74,7 @@ def main() -> int:
         tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
         for n in range(args.passes):
             for prompt, tokens in zip(prompts, tokenized):
-                engine.target.reset()
-                if engine.draft is not None:
-                    engine.draft.reset()
+                engine.slots[0].reset()
                 steps, done = trace(engine.strategy("auto", settings.options).generate(tokens, settings.params))
                 s = done.stats
                 print(f"{n + 1} {prompt.category:14} {s.generated_tokens:4d} {s.tokens_per_second:6.1f} tok/s  {steps}",

@@ -64,9 +64,7 @@ def llama_cpp_baseline(path: Path, threads: int, n: int, n_ctx: int) -> Callable
 def ours(engine: Engine, strategy: str, params: GenParams,
          options: StrategyOptions = StrategyOptions()) -> Callable[[str], Done]:
     def run(prompt: str) -> Done:
-        engine.target.reset()
-        if engine.draft is not None:
-            engine.draft.reset()
+        engine.slots[0].reset()
         done = None
         for ev in engine.strategy(strategy, options).generate(engine.tokenize(prompt), params):
             done = ev
