@@ -1,4 +1,4 @@
-"""`specchat serve`: flags, loading the engine, and running the server (app/serve.py) on uvicorn.
+"""`specchat serve`: flags, loading the engine, and running the server (app/serve/) on uvicorn.
 
     specchat serve -m TARGET [-md DRAFT] [-s STRATEGY] [generation flags] [-np 4] [--host 127.0.0.1] [--port 8080]
                    [--api-key KEY]

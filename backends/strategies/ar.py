@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Sequence
 
-from backends.events import TARGET, Event
+from backends.events import TARGET
 from backends.kv import KvSequence
 from backends.run import Run
-from backends.sampling import GenParams, argmax, probabilities, sample
+from backends.sampling import GenParams, sample_logits
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
 
@@ -28,7 +28,7 @@ class Autoregressive(StepMachine):
         def step() -> Iterator[object]:
             yield from self.target.extending([run.pending])
             logits = self.target.logits()
-            tok = argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng)
+            tok = sample_logits(logits, params, run.rng)
             ev = run.commit(tok, TARGET)
             if ev is not None:
                 yield ev

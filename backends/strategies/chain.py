@@ -20,7 +20,7 @@ import numpy as np
 from backends.events import Event, Source
 from backends.kv import Decode, KvSequence
 from backends.run import Run
-from backends.sampling import argmax, probabilities
+from backends.sampling import argmax, probabilities, sample_logits
 from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
 
 
@@ -31,7 +31,9 @@ def verify_chain(
     n_cached = len(run.context)
     rows = yield from target.extending([run.pending, *drafts], logits="all")
     params = run.params
-    if params.greedy:
+    if not drafts:  # a plain step: the target's own token, drawn without the dense vector
+        verdict = Verdict(0, sample_logits(target.logits(rows[0]), params, run.rng))
+    elif params.greedy:
         verdict = verify_greedy(drafts, lambda i: argmax(target.logits(rows[i])))
     elif draft_dists is None:
         verdict = verify_one_hot_chain(drafts, lambda i: probabilities(target.logits(rows[i]), params), run.rng)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Sequence
 
 from backends.config import LookaheadConfig
-from backends.events import TARGET, Event
+from backends.events import TARGET
 from backends.kv import Decode, KvSequence
 from backends.run import Run
-from backends.sampling import GenParams, argmax, probabilities, sample
+from backends.sampling import GenParams, argmax, sample_logits
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import pick_among
@@ -179,7 +179,7 @@ class LookaheadDecoding(StepMachine):
             cached = yield from target.syncing(prompt[:-1], logits=False)
             yield from target.extending(prompt[-1:])
             logits = target.logits()
-            first_token.append(argmax(logits) if params.greedy else sample(probabilities(logits, params), run.rng))
+            first_token.append(sample_logits(logits, params, run.rng))
             return cached
 
         def step() -> Iterator[object]:

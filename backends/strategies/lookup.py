@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from backends.config import LookupConfig
-from backends.events import Event
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams

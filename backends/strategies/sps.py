@@ -19,7 +19,6 @@ from typing import Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from backends.config import SpsConfig
-from backends.events import Event
 from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability

@@ -50,7 +50,6 @@ import numpy as np
 
 from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig  # noqa: F401 (the tree's settings, re-exported)
 from backends.cost import DeviceCost, best_tree_size
-from backends.events import Event
 from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams

@@ -1,0 +1,268 @@
+"""The Starlette application: routes, streaming, disconnects, and the uvicorn server that announces itself."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import time
+import sys
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from app.settings import Settings
+from app.serve.request import MAX_BODY_BYTES, ApiError, Endpoint, bad, parse_request
+from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
+from app.serve.worker import EngineWorker, Failed, Job
+from backends.events import Done, Token
+from backends.registry import STRATEGIES, strategy_label
+
+log = logging.getLogger("specchat.serve")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _JobStream(StreamingResponse):
+    """A streamed answer that cancels its generation however the response ends (a disconnect included)."""
+
+    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # no-op after a complete answer; stops the generation after a disconnect
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request's body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _outcome(job: Job) -> object:
+    """The job's Done or Failed (a whole answer ignores the tokens on the way)."""
+    while not isinstance(event := await job.events.get(), (Done, Failed)):
+        pass
+    return event
+
+
+async def _unless_gone(awaitable: Awaitable[object], job: Job, request: Request) -> object:
+    """`awaitable`'s result, or _ClientGone (and the job cancelled) if the client leaves first."""
+    wanted = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({wanted, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if wanted.done():
+        return wanted.result()
+    wanted.cancel()
+    job.cancel()
+    raise _ClientGone
+
+
+# -- the application --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    defaults: Settings  # the CLI flags: every request's defaults
+    model_ids: tuple[str, ...]  # the first is the listed id (the target file's stem); others are aliases
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    draft_id: str | None = None
+
+
+class Server:
+    """The routes over one `EngineWorker`."""
+
+    def __init__(self, config: ServerConfig, worker: EngineWorker) -> None:
+        self.config = config
+        self.worker = worker
+        self.n_ctx = worker.engine.target.n_ctx
+        self.has_draft = worker.engine.draft is not None
+        self.n_seq_max = worker.engine.target.n_seq_max  # what the context really has (the engine clamps it)
+        self.started = int(time.time())
+
+    # -- checks ------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def _model(self, body: Mapping[str, Any]) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.config.model_ids[0]
+        if not isinstance(model, str):
+            raise bad("'model' must be a string", "model")
+        if model not in self.config.model_ids:
+            raise ApiError(404, f"the model {model!r} does not exist; this server has {self.config.model_ids[0]!r}",
+                           "model", "model_not_found")
+        return model
+
+    # -- routes --------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        w = self.worker
+        return JSONResponse({"status": "ok", "parallel": w.parallel, "running": w.running, "queued": w.queued,
+                             "handled": w.handled, "cancelled": w.cancelled, "kv_errors": w.pool.kv_errors})
+
+    async def slots(self, request: Request) -> Response:
+        """llama-server's GET /slots: what each slot is doing and how much of a prompt it holds."""
+        self._authorize(request)
+        return JSONResponse(self.worker.pool.slots())
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        model_id, *aliases = self.config.model_ids
+        d = self.config.defaults
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_id, "object": "model", "created": self.started, "owned_by": "specchat",
+            "aliases": aliases,
+            "meta": {"n_ctx": self.n_ctx, "draft": self.config.draft_id, "strategy": d.strategy,
+                     "strategies": list(STRATEGIES), "strategy_settings": strategy_label(d.strategy, d.options)},
+        }]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "text")
+
+    async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
+        self._authorize(request)
+        body = await self._json(request)
+        model = self._model(body)
+        gen = parse_request(body, endpoint, self.config.defaults, self.n_ctx, self.has_draft, self.n_seq_max)
+        job = Job(gen, asyncio.get_running_loop())
+        self.worker.submit(job)
+        reply = Reply(gen, model)
+        try:
+            first = await _unless_gone(job.events.get(), job, request)  # Started, or Failed
+            if isinstance(first, Failed):
+                return first.error.response()
+            if gen.stream:
+                return _JobStream(self._stream(job, reply), job)
+            outcome = await _unless_gone(_outcome(job), job, request)
+        except _ClientGone:
+            log.info("%s: the client went away", job.id)
+            return Response(status_code=499)
+        if isinstance(outcome, Failed):
+            return outcome.error.response()
+        assert isinstance(outcome, Done)
+        return done_response(outcome, reply)
+
+    async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[bytes]:
+        if reply.chat:
+            yield sse(reply.chunk("", role=True))
+        while True:
+            event = await job.events.get()
+            if isinstance(event, Token):
+                yield sse(reply.chunk(event.text))
+            elif isinstance(event, Failed):
+                yield sse(event.error.body())
+                return
+            elif isinstance(event, Done):
+                if event.reason in ("error", "cancelled"):
+                    yield sse(done_error(event).body())
+                    return
+                for chunk in reply.final_chunks(event):
+                    yield sse(chunk)
+                yield SSE_DONE
+                return
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return ApiError(500, "internal server error (see the server's log)").response()
+
+
+def make_app(config: ServerConfig, worker: EngineWorker) -> Starlette:
+    server = Server(config, worker)
+    return Starlette(
+        routes=[
+            Route("/health", server.health, methods=["GET"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/slots", server.slots, methods=["GET"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+        ],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server, saying where it listens once it does, and cancelling generations when it stops."""
+
+    def __init__(self, config: uvicorn.Config, model_id: str, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.model_id = model_id
+        self.on_shutdown = on_shutdown
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit:
+            return
+        host, port = self.config.host, self.config.port
+        for server in getattr(self, "servers", ()):
+            for sock in server.sockets or ():
+                port = sock.getsockname()[1]  # the one the system chose for --port 0
+        shown = f"[{host}]" if ":" in host else host
+        print(f"specchat serve: {self.model_id} on http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
+              flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_shutdown()  # running streams end within one step instead of running on to max_tokens
+        await super().shutdown(sockets)

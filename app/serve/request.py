@@ -1,0 +1,348 @@
+"""One request's fields, checked: OpenAI's shapes (and llama-server's extras) into a `GenRequest`.
+
+Everything a client sends is checked here, field by field, and refused in
+OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`
+(`ApiError`): a field this server cannot honour is a clear 400, never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Mapping
+
+from starlette.responses import JSONResponse
+
+from app.chat_template import ChatMessage
+from app.errors import describe, is_user_error
+from app.settings import Settings, with_paths
+from backends.config import StrategyOptions
+from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed
+from backends.sampling import GenParams
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long conversation fits many times over
+MAX_QUEUED = 64  # requests waiting for the engine; more are refused with 503
+N_SEQ_MAX = 64  # sequence ids of the engine's contexts: every strategy's settings fit (kv_unified: no extra memory)
+
+Endpoint = Literal["chat", "text"]
+
+
+# -- errors -----------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def from_exception(e: BaseException) -> ApiError:
+    """A user error is the client's 400; anything else a 500 whose details stay in the log."""
+    if is_user_error(e):
+        return bad(describe(e))
+    return ApiError(500, "the generation failed on the server (see its log)")
+
+
+# -- request fields -----------------------------------------------------------
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a number", name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer", name)
+    return value
+
+
+def _stop(body: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return default
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise bad("'stop' must be a non-empty string or a list of them", "stop")
+    return tuple(values)
+
+
+def _max_tokens(body: Mapping[str, Any], default: int, n_ctx: int) -> int:
+    """max_completion_tokens (OpenAI's current name), max_tokens, or llama-server's n_predict; at most the context."""
+    given = {name: _integer(body, name, None) for name in ("max_completion_tokens", "max_tokens", "n_predict")}
+    given = {k: v for k, v in given.items() if v is not None and not (k == "n_predict" and v == -1)}
+    if len(set(given.values())) > 1:
+        raise bad(f"{' and '.join(given)} disagree; send one of them", next(iter(given)))
+    name, value = next(iter(given.items()), ("max_tokens", min(default, n_ctx)))  # serve -n over -c: the context
+    if value < 1:
+        raise bad(f"'{name}' must be at least 1", name)
+    if value > n_ctx:
+        raise bad(f"'{name}' is {value} but the context holds {n_ctx} tokens", name)
+    return value
+
+
+def sampling_params(body: Mapping[str, Any], defaults: GenParams, n_ctx: int) -> GenParams:
+    """OpenAI's sampling fields (and llama-server's top_k / min_p) over the server's defaults."""
+    seed = _integer(body, "seed", defaults.seed)
+    if seed is not None and seed < 0:
+        if seed != -1:
+            raise bad("'seed' must be >= 0, or -1 for a random one", "seed")
+        seed = None
+    try:
+        return GenParams(
+            max_tokens=_max_tokens(body, defaults.max_tokens, n_ctx),
+            temperature=_number(body, "temperature", defaults.temperature),
+            top_k=_integer(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
+            top_p=_number(body, "top_p", defaults.top_p),
+            min_p=_number(body, "min_p", defaults.min_p),
+            seed=seed,
+            stop=_stop(body, defaults.stop),
+        )
+    except ValueError as e:
+        raise bad(str(e)) from None
+
+
+def _refuse(name: str, why: str) -> ApiError:
+    return bad(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
+
+
+def refuse_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+    """Fields whose meaning this server cannot honour: a clear 400 rather than an answer that ignores them."""
+    if body.get("n") not in (None, 1):
+        raise _refuse("n", "one completion per request (n = 1)")
+    if body.get("best_of") not in (None, 1):
+        raise _refuse("best_of", "one completion per request")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise _refuse("logprobs", "log probabilities are not returned")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _refuse(name, "tool calling is not implemented")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _refuse("tool_choice", "tool calling is not implemented")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise _refuse("response_format", "only {'type': 'text'} (no JSON mode or schemas)")
+    for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
+        default = 1.0 if name == "repeat_penalty" else 0.0
+        if _number(body, name, default) != default:
+            raise _refuse(name, "repetition penalties are not implemented (speculative verification "
+                                "needs the same distribution at every position)")
+    if body.get("logit_bias"):
+        raise _refuse("logit_bias", "logit biases are not implemented")
+    if body.get("echo"):
+        raise _refuse("echo", "the prompt is not echoed")
+    if body.get("suffix"):
+        raise _refuse("suffix", "no fill-in-the-middle")
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]) or body.get("audio") or body.get("prediction"):
+        raise _refuse("modalities" if modalities not in (None, ["text"]) else
+                      "audio" if body.get("audio") else "prediction", "text only, no predicted outputs")
+    if endpoint == "text" and "messages" in body:
+        raise bad("'messages' belongs to /v1/chat/completions; /v1/completions takes 'prompt'", "messages")
+    if endpoint == "chat" and "prompt" in body:
+        raise bad("'prompt' belongs to /v1/completions; /v1/chat/completions takes 'messages'", "prompt")
+
+
+# -- per-request speculation ------------------------------------------------
+
+_LLAMA_SERVER_KEYS = ("n_max", "n_min", "p_min")
+
+
+def _speculative_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The `speculative` object merged with llama-server's flat `speculative.X` keys."""
+    nested = body.get("speculative") or {}
+    if not isinstance(nested, dict):
+        raise bad("'speculative' must be an object", "speculative")
+    flat = {key.split(".", 1)[1]: value for key, value in body.items() if key.startswith("speculative.")}
+    for key in flat.keys() & nested.keys():
+        if flat[key] != nested[key]:
+            raise bad(f"'speculative.{key}' is given twice with different values", f"speculative.{key}")
+    return {**flat, **nested}
+
+
+def _typed(section: object, name: str, value: Any) -> Any:
+    """`value` checked against the type of the dataclass field's current value (JSON gives no more)."""
+    current = getattr(section, name)
+    param = f"speculative.{name}"
+    if isinstance(current, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(current, int) or name == "nodes":
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (name == "nodes" and value == "auto")
+    elif isinstance(current, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(current))
+    if not ok:
+        raise bad(f"'{param}' must be of type {type(current).__name__}", param)
+    return value
+
+
+def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
+                n_seq_max: int = N_SEQ_MAX) -> tuple[str, StrategyOptions]:
+    """The strategy and its settings for one request, over the server's defaults (the CLI flags)."""
+    spec = _speculative_fields(body)
+    strategy = spec.pop("strategy", None)
+    n_max = spec.pop("n_max", None)
+    n_min = spec.pop("n_min", None)
+    p_min = spec.pop("p_min", None)
+    if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 0):
+        raise bad("'speculative.n_max' must be an integer >= 0", "speculative.n_max")
+    if strategy is None:
+        strategy = "ar" if n_max == 0 else defaults.strategy
+    if strategy not in STRATEGIES:
+        raise bad(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}", "speculative.strategy")
+    if n_max == 0 and strategy != "ar":
+        raise bad(f"'speculative.n_max' 0 means plain decoding, which contradicts strategy {strategy!r}",
+                   "speculative.n_max")
+    if strategy in NEEDS_DRAFT and not has_draft:
+        raise bad(f"strategy {strategy!r} needs a draft model; the server was started without -md",
+                   "speculative.strategy")
+    _check_n_min(n_min, n_max)
+    options = defaults.options
+    changes: dict[str, Any] = {}
+    if n_max:  # llama-server's most drafted tokens: K of the draft chain and of prompt lookup, as --draft-max
+        changes.update({"sps.draft_max": n_max, "lookup.draft_max": n_max, "auto.draft_max": n_max})
+    if p_min is not None:  # as --draft-p-min: the chain's and the static tree's stopping probability
+        p = _typed(options.sps, "p_min", p_min)
+        changes.update({"sps.p_min": p, "tree.p_min": p})
+    if spec:
+        section = getattr(options, strategy, None)
+        names = {f.name for f in fields(section)} if section is not None else set()
+        unknown = sorted(set(spec) - names)
+        if unknown:
+            allowed = ", ".join(["strategy", *_LLAMA_SERVER_KEYS, *sorted(names)])
+            raise bad(f"unknown setting {unknown[0]!r} for strategy {strategy!r}; allowed: {allowed}",
+                       f"speculative.{unknown[0]}")
+        changes.update({f"{strategy}.{name}": _typed(section, name, value) for name, value in spec.items()})
+    try:
+        options = with_paths(options, changes)  # dataclasses.replace: each config's __post_init__ checks it
+    except ValueError as e:
+        raise bad(str(e), "speculative") from None
+    if n_seq_needed(strategy, options) > n_seq_max:
+        raise bad(f"these {strategy} settings need {n_seq_needed(strategy, options)} sequences; "
+                   f"the server has {n_seq_max}", "speculative")
+    return strategy, options
+
+
+def _check_n_min(n_min: Any, n_max: int | None) -> None:
+    """llama-server drops drafts shorter than n_min (clamped to n_max); specchat never drops one."""
+    if n_min is None:
+        return
+    if isinstance(n_min, bool) or not isinstance(n_min, int) or n_min < 0:
+        raise bad("'speculative.n_min' must be an integer >= 0", "speculative.n_min")
+    if min(n_min, n_max if n_max is not None else n_min) > 1:
+        raise bad("'speculative.n_min' above 1 is not supported: llama-server discards drafts shorter than "
+                   "n_min, specchat verifies every draft (its length follows p_min and the adaptive K); "
+                   "send 0 or 1", "speculative.n_min", "unsupported_parameter")
+
+
+# -- prompts --------------------------------------------------------------------
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _content(message: Mapping[str, Any], i: int) -> str:
+    """A message's text: a string, or OpenAI's list of content parts of type text."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = _ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
+        if role is None:
+            raise bad(f"messages[{i}].role {m.get('role')!r} is not supported (system, developer, user, assistant)",
+                       f"messages[{i}].role")
+        out.append(ChatMessage(role, _content(m, i)))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def completion_prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    """A completion's prompt: a string, a list of one string, or token ids (as llama-server takes them)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    raise bad("'prompt' must be a string, or a list of token ids (one prompt per request)", "prompt")
+
+
+# -- one request, parsed ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One generation, as the worker runs it."""
+
+    endpoint: Endpoint
+    strategy: str
+    options: StrategyOptions
+    params: GenParams
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | tuple[int, ...] = ""
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Settings, n_ctx: int,
+                  has_draft: bool, n_seq_max: int = N_SEQ_MAX) -> GenRequest:
+    refuse_unsupported(body, endpoint)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be true or false", "stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    strategy, options = speculation(body, defaults, has_draft, n_seq_max)
+    return GenRequest(
+        endpoint=endpoint, strategy=strategy, options=options,
+        params=sampling_params(body, defaults.params, n_ctx),
+        messages=chat_messages(body) if endpoint == "chat" else (),
+        prompt=completion_prompt(body) if endpoint == "text" else "",
+        stream=stream, include_usage=bool(stream_options.get("include_usage")),
+    )

@@ -1,0 +1,247 @@
+"""The one thread that runs llama.cpp for the server: the queue, the slots, and the events back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+
+from app.errors import describe, is_user_error
+from app.prompt_format import PromptFormat
+from app.serve.request import MAX_QUEUED, ApiError, GenRequest, from_exception
+from app.serve.responses import done_error
+from backends.engine import Engine
+from backends.events import Done, Prefilled, Token
+from backends.batch import SlotPool
+
+log = logging.getLogger("specchat.serve")
+
+
+# -- the engine's worker thread -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    """The prompt is in the cache and tokens follow."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+class Job:
+    """One request on its way through the queue; its events go back to the event loop that asked."""
+
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.id = uuid.uuid4().hex[:24]
+        self.events: asyncio.Queue[object] = asyncio.Queue()
+        self._loop = loop
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+
+def post_all(items: list[tuple[Job, object]]) -> None:
+    """Hand many jobs' events to their event loops, with one wake-up of each loop.
+
+    A step of N running requests makes N tokens at once; waking the loop
+    once per step rather than once per token keeps the server's own thread
+    off the cores llama.cpp's threads are decoding on (on 2 cores each
+    wake-up takes time from the next decode).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, object]]] = {}
+    for job, item in items:
+        by_loop.setdefault(job._loop, []).append((job, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            for job, _item in batch:
+                job.cancel()
+
+
+def _deliver(batch: list[tuple[Job, object]]) -> None:
+    for job, item in batch:
+        job.events.put_nowait(item)
+
+
+class _Running:
+    """A request in the pool: its job, when it started, and whether its answer has begun or gone out."""
+
+    __slots__ = ("job", "t0", "started", "answered")
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.t0 = time.perf_counter()
+        self.started = False  # Prefilled came: tokens follow
+        self.answered = False  # its Done or Failed went out
+
+
+class EngineWorker:
+    """The one thread that runs llama.cpp: up to `parallel` requests decode together, the rest wait in order.
+
+    Each running request has a slot of the engine (backends.batch.SlotPool:
+    its own sequence ids and cells, the free slot whose cache holds the
+    longest prefix of its prompt); their strategies' rows go into one batch
+    per step. A request joins at the next step after a slot frees, in arrival
+    order. A request that fails ends alone and empties only its own slot.
+    """
+
+    def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED) -> None:
+        self.engine = engine
+        self.format = PromptFormat(engine)
+        self.pool = SlotPool(engine)
+        self.parallel = self.pool.size
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._max_queued = max_queued
+        self._lock = threading.Lock()
+        self._pending: set[Job] = set()
+        self._thread = threading.Thread(target=self._serve, name="specchat-engine", daemon=True)
+        self.handled = 0  # requests taken off the queue
+        self.cancelled = 0  # of which cancelled (the client went away, or the server is stopping)
+        self._outbox: list[tuple[Job, object]] = []  # events of this step, posted together (post_all)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if len(self._pending) >= self._max_queued + self.parallel:
+                raise ApiError(503, f"the server is busy ({self._max_queued} requests waiting); retry later",
+                               code="server_busy")
+            self._pending.add(job)
+        self._queue.put(job)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return self.pool.running
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for job in self._pending:
+                job.cancel()
+
+    def stop(self) -> None:
+        """Cancel everything, finish the current step and end the thread (then the engine may be closed)."""
+        self.cancel_all()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _serve(self) -> None:
+        stopping = False
+        while not stopping or len(self.pool):
+            while self.pool.free and not stopping:
+                self._flush()
+                try:  # wait for work only when there is nothing to step
+                    job = self._queue.get(block=not len(self.pool))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                else:
+                    self._admit(job)
+            self.pool.step()
+            self._flush()
+        while not self._queue.empty():  # submitted while the server stopped
+            if (job := self._queue.get_nowait()) is not None:
+                self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
+                                                  code="cancelled")))
+        self._flush()
+
+    def _post(self, job: Job, item: object) -> None:
+        self._outbox.append((job, item))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            post_all(items)
+
+    def _finish(self, job: Job, outcome: object) -> None:
+        self._post(job, outcome)
+        with self._lock:
+            self._pending.discard(job)
+        self.handled += 1
+
+    def _tokens(self, request: GenRequest) -> list[int]:
+        if request.endpoint == "chat":
+            return self.format.tokens(request.messages)
+        if isinstance(request.prompt, tuple):
+            n_vocab = self.engine.target_model.n_vocab
+            if any(not 0 <= t < n_vocab for t in request.prompt):
+                raise ValueError(f"the prompt has token ids outside the vocabulary (0..{n_vocab - 1})")
+            return list(request.prompt)
+        return self.format.raw(request.prompt)
+
+    def _admit(self, job: Job) -> None:
+        """Start `job` in a free slot, or answer it at once (cancelled, or refused before it could start)."""
+        if job.cancelled:
+            log.info("%s: cancelled while waiting", job.id)
+            self.cancelled += 1
+            self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
+                                              code="cancelled")))
+            return
+        request = job.request
+        running = _Running(job)
+        try:
+            self.pool.admit(request.strategy, request.options, self._tokens(request), request.params,
+                            lambda event: self._on_event(running, event), lambda error: self._on_end(running, error),
+                            lambda: job.cancelled)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the server
+            if is_user_error(e):
+                log.info("%s: refused: %s", job.id, describe(e))
+            else:
+                log.exception("%s: generation failed", job.id)
+            self._finish(job, Failed(from_exception(e)))
+
+    def _on_event(self, r: _Running, event: object) -> None:
+        job = r.job
+        if isinstance(event, Prefilled):
+            r.started = True
+            self._post(job, Started(event.n_tokens))
+        elif isinstance(event, Token) and event.kind != "rejected":
+            self._post(job, event)
+        elif isinstance(event, Done):
+            self.cancelled += event.reason == "cancelled"
+            _log_done(job, event, time.perf_counter() - r.t0)
+            # Failed or cancelled before the prompt was in: nothing was streamed, the answer is an error.
+            r.answered = True
+            self._finish(job, event if r.started else Failed(done_error(event)))
+
+    def _on_end(self, r: _Running, error: BaseException | None) -> None:
+        if error is not None:
+            if is_user_error(error):
+                log.info("%s: refused: %s", r.job.id, describe(error))
+            else:
+                log.error("%s: generation failed", r.job.id, exc_info=error)
+            if not r.answered:  # the pool emptied its slot: a step stopped halfway left its caches unknown
+                self._finish(r.job, Failed(from_exception(error)))
+        elif not r.answered:  # a machine that ended without Done (never, for the strategies of backends/)
+            self._finish(r.job, Failed(ApiError(500, "the generation ended without an answer")))
+
+
+def _log_done(job: Job, done: Done, seconds: float) -> None:
+    s = done.stats
+    log.info("%s: %s %s: %d tokens (%s), prompt %d (%d cached), %.2f s, %.1f tok/s, %.2f tokens/forward%s",
+             job.id, job.request.endpoint, s.strategy, s.generated_tokens, done.reason, s.prompt_tokens,
+             s.prompt_cached, seconds, s.tokens_per_second, s.mean_accepted_per_forward,
+             f": {done.error}" if done.error else "")
