@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from backends.sampling import GenParams, probabilities, sample
+from backends.sampling import GenParams, _top_k_ids, probabilities, sample, sample_logits
 from backends.verify import Verdict, choose_among_candidates, verify_draft_sampling, verify_greedy, verify_one_hot_chain
 
 ALPHA = 1e-4
@@ -30,6 +30,29 @@ def _random_dist(rng: np.random.Generator, n: int, zeros: int = 0) -> np.ndarray
     if zeros:
         p[rng.choice(n, zeros, replace=False)] = 0.0
     return p / p.sum()
+
+
+def test_top_k_near_the_top_finds_the_same_ids_as_a_full_partition() -> None:
+    rng = np.random.default_rng(3)
+    for n, scale, k in [(49152, 3.0, 40), (49152, 0.2, 40), (49152, 50.0, 40), (300, 1.0, 299), (64, 1.0, 64), (1000, 8.0, 1)]:
+        logits = (rng.standard_normal(n) * scale).astype(np.float32)  # distinct values: no ties at the k-th
+        expected = set(np.argpartition(logits, n - k)[n - k:].tolist())
+        assert set(_top_k_ids(logits, k).tolist()) == expected
+
+
+def test_sample_logits_draws_the_token_sample_of_probabilities_draws() -> None:
+    """The plain step's sparse draw is the dense rule's draw, token for token, for the same generator state."""
+    rng = np.random.default_rng(11)
+    differing = 0
+    for trial in range(600):
+        n = int(rng.choice([40, 2000, 49152]))
+        logits = (rng.standard_normal(n) * float(rng.choice([0.5, 4.0, 30.0]))).astype(np.float32)
+        params = GenParams(temperature=float(rng.choice([0.0, 0.4, 1.0, 1.7])), top_k=int(rng.choice([0, 1, 40])),
+                           top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])))
+        seed = int(rng.integers(1 << 30))
+        differing += sample(probabilities(logits, params), np.random.default_rng(seed)) != \
+            sample_logits(logits, params, np.random.default_rng(seed))
+    assert differing == 0
 
 
 def test_probabilities_matches_hand_computation() -> None:
