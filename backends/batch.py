@@ -8,6 +8,11 @@ longest prefix of the prompt, as llama-server picks a slot by prompt
 similarity, so a conversation that comes back decodes only its new turn. A
 generation whose machine raises, or ends in an error, ends alone and its slot
 is emptied (what a step left half done in its caches is unknown).
+
+The choices of one request (`n` > 1) share its prompt: the first decodes it,
+the others wait for it (`backends.scheduler.PAUSE`) and then hold the same
+cells (`KvSequence.copy_prefix`: a unified cache shares them, nothing is
+decoded twice).
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from backends.config import StrategyOptions
-from backends.events import Done, Event
+from backends.events import Done, Event, Prefilled
 from backends.kv import common_prefix
 from backends.sampling import GenParams
-from backends.scheduler import Scheduler
+from backends.scheduler import PAUSE, Scheduler, Steps
 from backends.strategies.base import never
 
 if TYPE_CHECKING:
@@ -31,6 +36,7 @@ class SlotPool:
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
         self.kv_errors = 0  # slots found holding other cells than their record after a generation (emptied)
+        self._prefilled: dict[int, bool] = {}  # running slots: whether their prompt is in the cache
         for slot in engine.slots:  # auto prices its rows by the batch they join
             slot.load = self.scheduler.load
 
@@ -53,24 +59,32 @@ class SlotPool:
 
     def admit(self, strategy: str, options: StrategyOptions, prompt: Sequence[int], params: GenParams,
               sink: Callable[[Event], None], on_end: Callable[[BaseException | None], None] = lambda _e: None,
-              should_stop: Callable[[], bool] = never) -> int:
+              should_stop: Callable[[], bool] = never, share: int | None = None) -> int:
         """Start a generation in a free slot (there must be one); returns the slot.
 
         Raises at once what the strategy refuses before it starts (a prompt too
         long, settings the slot cannot hold); its events go to `sink`, and
         `on_end` hears when it ended (with the exception, if it raised).
+        With `share`, the running slot of another choice of the same prompt:
+        this one starts from the cells of that one's prompt once it is in.
         """
-        slot = self.pick(prompt)
+        slot = self.pick(prompt) if share is None else min(self.free)
         steps = self.engine.strategy(strategy, options, slot=slot).steps(prompt, params, should_stop)
+        if share is not None:
+            steps = self._sharing(share, slot, prompt, steps)
         self.free.remove(slot)
+        self._prefilled[slot] = False
         failed = []
 
         def take(event: Event) -> None:
             if isinstance(event, Done) and event.reason == "error":
                 failed.append(event)
+            elif isinstance(event, Prefilled):
+                self._prefilled[slot] = True
             sink(event)
 
         def ended(error: BaseException | None) -> None:
+            del self._prefilled[slot]
             if error is not None or failed:
                 self.reset(slot)
             elif not self.consistent(slot):
@@ -81,6 +95,17 @@ class SlotPool:
 
         self.scheduler.add(steps, take, ended)
         return slot
+
+    def _sharing(self, src: int, dst: int, prompt: Sequence[int], steps: Steps) -> Steps:
+        """`steps`, after waiting for slot `src` to have the prompt in its cache (or to end), from the cells of
+        it that `src` holds (what it does not hold, after a failure, `steps` decodes itself)."""
+        while self._prefilled.get(src) is False:
+            yield PAUSE
+        s, d = self.engine.slots[src], self.engine.slots[dst]
+        for a, b in ((s.target, d.target), (s.draft, d.draft)):
+            if a is not None and b is not None:
+                b.copy_prefix(a, common_prefix(a.tokens, prompt[:-1]))
+        yield from steps
 
     def consistent(self, slot: int) -> bool:
         """Whether a slot's caches hold what its record says: the main branch exactly its tokens, no scratch

@@ -290,6 +290,15 @@ class KvSequence:
         for seq in range(1, n_seqs):
             self.fork(0, seq)
 
+    def copy_prefix(self, src: "KvSequence", n: int) -> None:
+        """Hold exactly the first `n` tokens of `src`'s main branch, sharing its cells (a unified cache copies
+        nothing): the choices of one request start from the prompt one of them decoded."""
+        assert src.ctx is self.ctx and n <= len(src.tokens)
+        self.reset()
+        if n > 0:
+            self.ctx.seq_cp(src.base, self.base, 0, n)
+            self.tokens = list(src.tokens[:n])
+
     def reset(self) -> None:
         """Forget everything this sequence holds (another sequence's cells stay)."""
         self.tokens.clear()

@@ -35,7 +35,16 @@ from backends.errors import DecodeError
 from backends.events import Event
 from backends.kv import Decode, Lane
 
-Steps = Generator[Union[Event, Decode], Optional[list[int]], None]
+class Pause:
+    """Yielded by a step machine that waits on another sequence (the prompt another choice of the same request
+    is decoding): it decodes nothing and runs again at the next step."""
+
+    __slots__ = ()
+
+
+PAUSE = Pause()
+
+Steps = Generator[Union[Event, Decode, Pause], Optional[list[int]], None]
 
 
 def run_solo(steps: Steps) -> Iterator[Event]:
@@ -54,7 +63,7 @@ def run_solo(steps: Steps) -> Iterator[Event]:
                     rows = item.lane.decode([item.entries])[0]
                 except DecodeError as e:
                     error = e
-            else:
+            elif not isinstance(item, Pause):
                 yield item
     finally:
         steps.close()
@@ -122,6 +131,8 @@ class Scheduler:
                 rows = error = None
                 if isinstance(item, Decode):
                     a.pending = item
+                    return True
+                if isinstance(item, Pause):  # runs again after this step's decode
                     return True
                 a.sink(item)
         except StopIteration:

@@ -346,7 +346,8 @@ def test_bad_requests_have_openai_error_shape(server: Served) -> None:
     assert e.value.status_code == 404
     assert_error(server.post("/v1/completions", {"model": "gpt-4o", "prompt": "hi"}), 404, "model_not_found", "model")
     cases = [
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 5}, "n"),  # more choices than the 4 slots decoding at once
+        ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "logprobs": 2}, "logprobs"),
         ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
@@ -519,6 +520,41 @@ def test_concurrent_clients_decode_together_and_each_gets_its_text(server: Serve
     assert got == alone
     health = server.health()
     assert health["parallel"] == 4 and health["running"] == 0 and health["kv_errors"] == 0
+
+
+def test_n_choices_decode_together_from_one_prompt_decode(server: Served) -> None:
+    """n = 3: three choices in one batch. Greedy, each is the answer alone; sampled with a seed, they differ and
+    each is reproducible; the prompt is decoded once (the other choices report it cached); a stream's chunks
+    carry each choice's index and assemble to the same texts as the whole answer."""
+    client = server.client()
+    prompt, strategy = CONCURRENT[0]
+    alone = _answer(client, prompt, strategy, stream=False)
+    kwargs = dict(model="target", prompt=prompt, max_tokens=CONCURRENT_N, extra_body=spec(strategy))
+    greedy = client.completions.create(n=3, temperature=0, **kwargs)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.text for c in greedy.choices] == [alone] * 3
+    assert greedy.usage.completion_tokens == 3 * timings_of(greedy)[0]["predicted_n"]
+    assert [t["cache_n"] for t in timings_of(greedy)[1:]] == [greedy.usage.prompt_tokens - 1] * 2
+
+    sampled = client.completions.create(n=3, temperature=1.0, seed=7, **kwargs)
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) == 3, texts
+    streamed = ["", "", ""]
+    finish = [None, None, None]
+    for chunk in client.completions.create(n=3, temperature=1.0, seed=7, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert streamed == texts and finish == [c.finish_reason for c in sampled.choices]
+    one = client.completions.create(temperature=1.0, seed=7, **kwargs)
+    assert one.choices[0].text == texts[0]  # choice 0 draws with the request's seed, choice k with seed + k
+
+    chat = server.client().chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                                   n=2, max_tokens=8, temperature=1.0, seed=3, stream=True)
+    indices = {c.index for chunk in chat for c in chunk.choices}
+    assert indices == {0, 1}
+    health = server.health()
+    assert health["running"] == 0 and health["kv_errors"] == 0
 
 
 def test_disconnects_and_bad_requests_under_load_leave_every_valid_request_whole(server: Served) -> None:

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from app.settings import Settings
 from app.serve.request import MAX_BODY_BYTES, ApiError, Endpoint, bad, parse_request
 from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
-from app.serve.worker import EngineWorker, Failed, Job
+from app.serve.worker import EngineWorker, Failed, Finished, Job
 from backends.events import Done, Token
 from backends.registry import STRATEGIES, strategy_label
 
@@ -57,8 +57,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _outcome(job: Job) -> object:
-    """The job's Done or Failed (a whole answer ignores the tokens on the way)."""
-    while not isinstance(event := await job.events.get(), (Done, Failed)):
+    """The job's Finished, Failed, or the Done of a choice that failed (a whole answer ignores the rest)."""
+    while not isinstance(event := await job.events.get(), (Finished, Done, Failed)):
         pass
     return event
 
@@ -174,7 +174,8 @@ class Server:
         self._authorize(request)
         body = await self._json(request)
         model = self._model(body)
-        gen = parse_request(body, endpoint, self.config.defaults, self.n_ctx, self.has_draft, self.n_seq_max)
+        gen = parse_request(body, endpoint, self.config.defaults, self.n_ctx, self.has_draft, self.n_seq_max,
+                            self.worker.parallel)
         job = Job(gen, asyncio.get_running_loop())
         self.worker.submit(job)
         reply = Reply(gen, model)
@@ -190,24 +191,37 @@ class Server:
             return Response(status_code=499)
         if isinstance(outcome, Failed):
             return outcome.error.response()
-        assert isinstance(outcome, Done)
-        return done_response(outcome, reply)
+        if isinstance(outcome, Done):  # a choice failed or was cancelled
+            return done_error(outcome).response()
+        assert isinstance(outcome, Finished)
+        return done_response(outcome.dones, reply)
 
     async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[bytes]:
+        """Each choice's tokens as they come (chunks carry the choice's index), its finish chunk when it ends,
+        then the timings (and usage) and [DONE]; an error ends the stream with an error object."""
         if reply.chat:
-            yield sse(reply.chunk("", role=True))
+            for i in range(reply.request.n):
+                yield sse(reply.chunk("", i, role=True))
+        held: dict[str, object] | None = None  # the last finish chunk, sent with the timings once all end
         while True:
             event = await job.events.get()
-            if isinstance(event, Token):
-                yield sse(reply.chunk(event.text))
+            if isinstance(event, tuple):
+                index, item = event
+                if isinstance(item, Token):
+                    yield sse(reply.chunk(item.text, index))
+                else:
+                    if held is not None:
+                        yield sse(held)
+                    held = reply.finish_chunk(index, item)
             elif isinstance(event, Failed):
                 yield sse(event.error.body())
                 return
-            elif isinstance(event, Done):
-                if event.reason in ("error", "cancelled"):
-                    yield sse(done_error(event).body())
-                    return
-                for chunk in reply.final_chunks(event):
+            elif isinstance(event, Done):  # a choice failed or was cancelled
+                yield sse(done_error(event).body())
+                return
+            elif isinstance(event, Finished):
+                assert held is not None
+                for chunk in reply.closing_chunks(held, event.dones):
                     yield sse(chunk)
                 yield SSE_DONE
                 return

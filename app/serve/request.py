@@ -133,8 +133,6 @@ def _refuse(name: str, why: str) -> ApiError:
 
 def refuse_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     """Fields whose meaning this server cannot honour: a clear 400 rather than an answer that ignores them."""
-    if body.get("n") not in (None, 1):
-        raise _refuse("n", "one completion per request (n = 1)")
     if body.get("best_of") not in (None, 1):
         raise _refuse("best_of", "one completion per request")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
@@ -327,11 +325,24 @@ class GenRequest:
     prompt: str | tuple[int, ...] = ""
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: sequences of the same batch, sharing the prompt's cells
+
+
+def _choices(body: Mapping[str, Any], parallel: int) -> int:
+    n = _integer(body, "n", 1)
+    assert n is not None
+    if n < 1:
+        raise bad("'n' must be at least 1", "n")
+    if n > parallel:
+        raise bad(f"'n' is {n} but the server decodes {parallel} sequences at once (--parallel); "
+                  f"ask for at most {parallel} choices", "n")
+    return n
 
 
 def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Settings, n_ctx: int,
-                  has_draft: bool, n_seq_max: int = N_SEQ_MAX) -> GenRequest:
+                  has_draft: bool, n_seq_max: int = N_SEQ_MAX, parallel: int = 1) -> GenRequest:
     refuse_unsupported(body, endpoint)
+    n = _choices(body, parallel)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be true or false", "stream")
@@ -344,5 +355,5 @@ def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Setting
         params=sampling_params(body, defaults.params, n_ctx),
         messages=chat_messages(body) if endpoint == "chat" else (),
         prompt=completion_prompt(body) if endpoint == "text" else "",
-        stream=stream, include_usage=bool(stream_options.get("include_usage")),
+        stream=stream, include_usage=bool(stream_options.get("include_usage")), n=n,
     )

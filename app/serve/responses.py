@@ -20,12 +20,15 @@ from backends.registry import strategy_label
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(stats: GenStats) -> dict[str, object]:
+def usage(stats: GenStats | tuple[GenStats, ...]) -> dict[str, object]:
+    """OpenAI's usage; for several choices, the prompt once and every choice's completion tokens."""
+    many = stats if isinstance(stats, tuple) else (stats,)
+    completion = sum(s.generated_tokens for s in many)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.prompt_cached},
+        "prompt_tokens": many[0].prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": many[0].prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": many[0].prompt_cached},
     }
 
 
@@ -56,7 +59,7 @@ def timings(stats: GenStats, label: str) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class Reply:
-    """The fixed parts of one response's objects, chunks included (OpenAI's shapes)."""
+    """The fixed parts of one response's objects, chunks included (OpenAI's shapes), for its `n` choices."""
 
     request: GenRequest
     model: str
@@ -67,43 +70,52 @@ class Reply:
     def chat(self) -> bool:
         return self.request.endpoint == "chat"
 
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
     def _object(self, kind: str, choices: list[dict[str, object]]) -> dict[str, object]:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _choice(self, text: str, finish_reason: str | None, delta: bool, role: bool = False) -> dict[str, object]:
+    def _choice(self, index: int, text: str, finish_reason: str | None, delta: bool,
+                role: bool = False) -> dict[str, object]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         body: dict[str, object] = {"role": "assistant"} if role or not delta else {}
         if text or not delta or role:
             body["content"] = text
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": None,
+                "finish_reason": finish_reason}
 
-    def _extras(self, done: Done) -> dict[str, object]:
+    def _extras(self, dones: tuple[Done, ...]) -> dict[str, object]:
+        """usage and llama-server's timings (for several choices, a list of each one's)."""
         label = strategy_label(self.request.strategy, self.request.options)
-        return {"usage": usage(done.stats), "timings": timings(done.stats, label)}
+        each = [timings(d.stats, label) for d in dones]
+        return {"usage": usage(tuple(d.stats for d in dones)), "timings": each[0] if len(each) == 1 else each}
 
-    def whole(self, done: Done) -> dict[str, object]:
+    def whole(self, dones: tuple[Done, ...]) -> dict[str, object]:
         kind = "chat.completion" if self.chat else "text_completion"
-        choice = self._choice(done.text, FINISH_REASONS.get(done.reason, "stop"), delta=False)
-        return {**self._object(kind, [choice]), **self._extras(done)}
+        choices = [self._choice(i, d.text, FINISH_REASONS.get(d.reason, "stop"), delta=False)
+                   for i, d in enumerate(dones)]
+        return {**self._object(kind, choices), **self._extras(dones)}
 
-    def chunk(self, text: str, role: bool = False) -> dict[str, object]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, [self._choice(text, None, delta=True, role=role)])
+    def chunk(self, text: str, index: int = 0, role: bool = False) -> dict[str, object]:
+        return self._object(self._chunk_kind, [self._choice(index, text, None, delta=True, role=role)])
 
-    def final_chunks(self, done: Done) -> list[dict[str, object]]:
-        """The chunk with the finish reason (and any held-back text); with include_usage, a usage chunk after it.
+    def finish_chunk(self, index: int, done: Done) -> dict[str, object]:
+        """A choice's last chunk: its finish reason (and any text held back for a stop string)."""
+        return self._object(self._chunk_kind,
+                            [self._choice(index, done.tail, FINISH_REASONS.get(done.reason, "stop"), delta=True)])
 
-        The last one carries the timings (and usage, as llama-server sends it on the final chunk too).
-        """
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        finish = self._object(kind, [self._choice(done.tail, FINISH_REASONS.get(done.reason, "stop"), delta=True)])
-        extras = self._extras(done)
+    def closing_chunks(self, last: dict[str, object], dones: tuple[Done, ...]) -> list[dict[str, object]]:
+        """The stream's end, after every choice's finish chunk (`last` is the last of them): the timings on it,
+        as llama-server sends them; with include_usage, a usage chunk after it that carries them instead."""
+        extras = self._extras(dones)
         if not self.request.include_usage:
-            return [{**finish, "timings": extras["timings"]}]
-        return [finish, {**self._object(kind, []), **extras}]
+            return [{**last, "timings": extras["timings"]}]
+        return [last, {**self._object(self._chunk_kind, []), **extras}]
 
 
 def sse(obj: object) -> bytes:
@@ -119,7 +131,5 @@ def done_error(done: Done) -> ApiError:
     return ApiError(500, f"the generation failed: {done.error or 'unknown error'}", code="generation_failed")
 
 
-def done_response(done: Done, reply: Reply) -> Response:
-    if done.reason in ("error", "cancelled"):
-        return done_error(done).response()
-    return JSONResponse(reply.whole(done))
+def done_response(dones: tuple[Done, ...], reply: Reply) -> Response:
+    return JSONResponse(reply.whole(dones))

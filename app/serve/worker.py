@@ -8,7 +8,8 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 
 from app.errors import describe, is_user_error
@@ -79,16 +80,24 @@ def _deliver(batch: list[tuple[Job, object]]) -> None:
         job.events.put_nowait(item)
 
 
-class _Running:
-    """A request in the pool: its job, when it started, and whether its answer has begun or gone out."""
+@dataclass(frozen=True)
+class Finished:
+    """Every choice of the request has ended well: their Done events, by choice."""
 
-    __slots__ = ("job", "t0", "started", "answered")
+    dones: tuple[Done, ...]
+
+
+class _Running:
+    """A request in the pool: its job, when it started, its choices' ends, whether its answer has begun or gone."""
+
+    __slots__ = ("job", "t0", "started", "answered", "dones")
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.t0 = time.perf_counter()
-        self.started = False  # Prefilled came: tokens follow
-        self.answered = False  # its Done or Failed went out
+        self.started = False  # a Prefilled came: tokens follow
+        self.answered = False  # its Finished or Failed went out
+        self.dones: list[Done | None] = [None] * job.request.n
 
 
 class EngineWorker:
@@ -114,6 +123,7 @@ class EngineWorker:
         self.handled = 0  # requests taken off the queue
         self.cancelled = 0  # of which cancelled (the client went away, or the server is stopping)
         self._outbox: list[tuple[Job, object]] = []  # events of this step, posted together (post_all)
+        self._head: Job | None = None  # the next job, waiting for as many free slots as it has choices
 
     def start(self) -> None:
         self._thread.start()
@@ -129,7 +139,7 @@ class EngineWorker:
     @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
-        return self._queue.qsize()
+        return self._queue.qsize() + (self._head is not None)
 
     @property
     def running(self) -> int:
@@ -150,18 +160,26 @@ class EngineWorker:
     def _serve(self) -> None:
         stopping = False
         while not stopping or len(self.pool):
-            while self.pool.free and not stopping:
+            while not stopping:
                 self._flush()
-                try:  # wait for work only when there is nothing to step
-                    job = self._queue.get(block=not len(self.pool))
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                else:
-                    self._admit(job)
+                if self._head is None:
+                    if not self.pool.free:
+                        break
+                    try:  # wait for work only when there is nothing to step
+                        self._head = self._queue.get(block=not len(self.pool))
+                    except queue.Empty:
+                        break
+                    if self._head is None:
+                        stopping = True
+                        break
+                if len(self.pool.free) < self._head.request.n and not self._head.cancelled:
+                    break  # first in, first out: the jobs behind it wait too
+                job, self._head = self._head, None
+                self._admit(job)
             self.pool.step()
             self._flush()
+        if self._head is not None:
+            self._queue.put(self._head)
         while not self._queue.empty():  # submitted while the server stopped
             if (job := self._queue.get_nowait()) is not None:
                 self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
@@ -193,7 +211,8 @@ class EngineWorker:
         return self.format.raw(request.prompt)
 
     def _admit(self, job: Job) -> None:
-        """Start `job` in a free slot, or answer it at once (cancelled, or refused before it could start)."""
+        """Start `job`'s choices in free slots (there are enough), or answer it at once (cancelled, or refused
+        before it could start). The first choice decodes the prompt; the others share its cells."""
         if job.cancelled:
             log.info("%s: cancelled while waiting", job.id)
             self.cancelled += 1
@@ -202,40 +221,65 @@ class EngineWorker:
             return
         request = job.request
         running = _Running(job)
+        first: int | None = None
         try:
-            self.pool.admit(request.strategy, request.options, self._tokens(request), request.params,
-                            lambda event: self._on_event(running, event), lambda error: self._on_end(running, error),
-                            lambda: job.cancelled)
+            prompt = self._tokens(request)
+            for k in range(request.n):
+                params = request.params
+                if k and params.seed is not None:  # each choice its own draw
+                    params = replace(params, seed=params.seed + k)
+                slot = self.pool.admit(request.strategy, request.options, prompt, params,
+                                       partial(self._on_event, running, k), partial(self._on_end, running, k),
+                                       lambda: job.cancelled, share=first)
+                first = slot if first is None else first
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the server
             if is_user_error(e):
                 log.info("%s: refused: %s", job.id, describe(e))
             else:
                 log.exception("%s: generation failed", job.id)
+            if first is not None:  # choices already running stop at their next step and answer nothing
+                job.cancel()
+                running.answered = True
             self._finish(job, Failed(from_exception(e)))
 
-    def _on_event(self, r: _Running, event: object) -> None:
+    def _on_event(self, r: _Running, k: int, event: object) -> None:
         job = r.job
+        if r.answered:
+            return
         if isinstance(event, Prefilled):
-            r.started = True
-            self._post(job, Started(event.n_tokens))
+            if not r.started:
+                r.started = True
+                self._post(job, Started(event.n_tokens))
         elif isinstance(event, Token) and event.kind != "rejected":
-            self._post(job, event)
+            self._post(job, (k, event))
         elif isinstance(event, Done):
             self.cancelled += event.reason == "cancelled"
             _log_done(job, event, time.perf_counter() - r.t0)
-            # Failed or cancelled before the prompt was in: nothing was streamed, the answer is an error.
-            r.answered = True
-            self._finish(job, event if r.started else Failed(done_error(event)))
+            if event.reason in ("error", "cancelled"):
+                # The answer is an error (in a stream, after what was sent); the other choices stop.
+                r.answered = True
+                job.cancel()
+                self._finish(job, event if r.started else Failed(done_error(event)))
+                return
+            r.dones[k] = event
+            self._post(job, (k, event))
+            if all(d is not None for d in r.dones):
+                r.answered = True
+                self._finish(job, Finished(tuple(r.dones)))  # type: ignore[arg-type]
 
-    def _on_end(self, r: _Running, error: BaseException | None) -> None:
+    def _on_end(self, r: _Running, k: int, error: BaseException | None) -> None:
         if error is not None:
             if is_user_error(error):
                 log.info("%s: refused: %s", r.job.id, describe(error))
             else:
                 log.error("%s: generation failed", r.job.id, exc_info=error)
             if not r.answered:  # the pool emptied its slot: a step stopped halfway left its caches unknown
+                r.answered = True
+                r.job.cancel()
                 self._finish(r.job, Failed(from_exception(error)))
-        elif not r.answered:  # a machine that ended without Done (never, for the strategies of backends/)
+        elif not r.answered and r.dones[k] is None:  # a machine that ended without Done (never, in backends/)
+            r.answered = True
+            r.job.cancel()
             self._finish(r.job, Failed(ApiError(500, "the generation ended without an answer")))
 
 
