@@ -47,6 +47,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default: 0.05)")
     g.add_argument("--seed", type=_seed, default=None, help="random seed for sampling; -1 = random (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="never end at an end-of-generation token: exactly -n tokens (for benchmarks)")
     s = p.add_argument_group("speculation")
     s.add_argument("--draft-max", type=int, default=None,
                    help=f"K: most tokens proposed per step (default: {SpsConfig.draft_max} for sps, "

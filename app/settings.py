@@ -106,6 +106,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "min_p": ("params.min_p",),
     "seed": ("params.seed",),
     "stop": ("params.stop",),
+    "ignore_eos": ("params.ignore_eos",),
     "draft_max": ("options.sps.draft_max", "options.lookup.draft_max", "options.auto.draft_max"),
     "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
     "lookahead_window": ("options.lookahead.window",),

@@ -37,6 +37,9 @@ class SlotPool:
         self.free = list(range(len(engine.slots)))
         self.kv_errors = 0  # slots found holding other cells than their record after a generation (emptied)
         self._prefilled: dict[int, bool] = {}  # running slots: whether their prompt is in the cache
+        # Cells the caches hold, and cells the slots' records account for, as counted after the last generation
+        # ended (on the stepping thread: other threads read these two numbers, never llama.cpp's state).
+        self.kv_cells = self.kv_cached = 0
         for slot in engine.slots:  # auto prices its rows by the batch they join
             slot.load = self.scheduler.load
 
@@ -91,6 +94,7 @@ class SlotPool:
                 self.kv_errors += 1
                 self.reset(slot)
             self.free.append(slot)
+            self.kv_cells, self.kv_cached = self.cells()
             on_end(error)
 
         self.scheduler.add(steps, take, ended)
@@ -119,6 +123,20 @@ class SlotPool:
             if seq.cells() != n or any(seq.ctx.pos_max(seq.base + i) >= n for i in range(1, seq.n_seq_max)):
                 return False
         return True
+
+    def cells(self) -> tuple[int, int]:
+        """(cells held, cells accounted for): every sequence id of every slot, in the target's and the draft's
+        cache, against the tokens the slots' records hold. A scratch sequence's cells within its main branch
+        are the main branch's own (shared), so only what lies past it counts. Equal unless cells leaked."""
+        held = recorded = 0
+        for s in self.engine.slots:
+            for seq in (s.target, s.draft):
+                if seq is None:
+                    continue
+                main = seq.cells()
+                held += main + sum(max(0, seq.ctx.pos_max(seq.base + i) + 1 - main) for i in range(1, seq.n_seq_max))
+                recorded += len(seq.tokens)
+        return held, recorded
 
     def slots(self) -> list[dict[str, object]]:
         """Each slot as llama-server's /slots shows it: id, whether it is running, its context and cached

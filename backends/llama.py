@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import socket
 import struct
@@ -232,6 +233,11 @@ class LlamaModel:
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @functools.cached_property
+    def eog_ids(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (EOS, EOT, <|im_end|>, ...)."""
+        return tuple(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
 
     def close(self) -> None:
         if getattr(self, "_ptr", None):

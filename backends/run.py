@@ -15,8 +15,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from backends.errors import PromptError
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, Source, StepEnd, Token
+from backends.kv import KvSequence
 from backends.llama import LlamaModel
 from backends.sampling import GenParams, make_rng
 from backends.text import TextStream
@@ -54,6 +57,7 @@ class Run:
         self.by_source: dict[str, int] = {}
         self.by_choice: dict[str, int] = {}
         self.extra: dict[str, object] = {}
+        self._banned = np.asarray(model.eog_ids, dtype=np.int64) if params.ignore_eos and model.eog_ids else None
 
     # -- phases -------------------------------------------------------------
 
@@ -80,6 +84,24 @@ class Run:
         if self.reason is None and self.room() <= 0:
             self.reason = "length"
         return self.reason is None
+
+    # -- what the generation may draw from ---------------------------------
+
+    def logits(self, seq: KvSequence, row: int | None = None, path: Sequence[int] | None = ()) -> np.ndarray:
+        """The logits of batch row `row` of `seq` (the target's or the draft's; default: its last token's) as this
+        generation may draw from them: the tokens it never emits at -inf (end-of-generation tokens with
+        `ignore_eos`).
+
+        `path` is what the row follows past the committed output (a chain's drafts before it, a tree node's
+        ancestors); None for a row on no output path (lookahead's window of guesses). Every strategy reads
+        logits here, for the target and for its drafter alike, so verification compares like with like
+        and the output follows the restricted distribution exactly. The row is changed in place (its
+        logits are a view of llama.cpp's, valid until the next decode; masking twice changes nothing).
+        """
+        logits = seq.logits(row)
+        if self._banned is not None:
+            logits[self._banned] = -np.inf
+        return logits
 
     # -- tokens of one step -------------------------------------------------
 

@@ -30,6 +30,9 @@ class GenParams:
     min_p: float = 0.05
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Never end at an end-of-generation token (llama.cpp's --ignore-eos): they are removed from every
+    # distribution drawn from, so a benchmark gets exactly max_tokens tokens of each request.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -606,6 +606,10 @@ def test_disconnects_and_bad_requests_under_load_leave_every_valid_request_whole
     assert health["cancelled"] > before["cancelled"], "the dropped streams were cancelled"
     slots = httpx.get(f"{server.url}/slots", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()
     assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
+    # No cell leaked: the caches hold exactly what the slots' records keep for the prefix cache (counted by
+    # llama.cpp over every sequence id, target and draft), and the target's part is what /slots reports.
+    assert health["kv_cells"] == health["kv_cached"] > 0
+    assert sum(s["cached_tokens"] for s in slots) <= health["kv_cached"]
 
 
 def test_ctrl_c_mid_stream_stops_cleanly(tiny, tmp_path: Path) -> None:
@@ -663,3 +667,22 @@ def test_demo_pair_streamed_sps_equals_run(demo_pair, tmp_path: Path) -> None:
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert text and r.stdout == text + "\n"
+
+
+def test_ignore_eos_gives_max_tokens_and_tokenize_round_trips(server: Served) -> None:
+    """llama-server's ignore_eos: the end-of-generation token is never drawn, so every request (every strategy,
+    target and drafter masked alike) makes exactly max_tokens; /tokenize and /detokenize are llama-server's."""
+    client = server.client()
+    kwargs = dict(model="target", prompt="the cat", max_tokens=60, temperature=1.5)
+    ends = [seed for seed in range(200) if client.completions.create(seed=seed, **kwargs).usage.completion_tokens < 60]
+    assert len(ends) >= 3, "the model ends some of these generations early by itself"
+    for strategy in ("ar", "sps", "lookup", "tree", "auto"):
+        for seed in ends[:3]:
+            r = client.completions.create(seed=seed, extra_body={**spec(strategy), "ignore_eos": True}, **kwargs)
+            assert r.usage.completion_tokens == 60 and r.choices[0].finish_reason == "length", strategy
+    assert_error(server.post("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}), 400, param="ignore_eos")
+    ids = server.post("/tokenize", {"content": "the cat sat"}).json()["tokens"]
+    assert ids and all(isinstance(t, int) for t in ids)
+    # (The tiny vocabulary's pieces keep SentencePiece's word marker.)
+    assert server.post("/detokenize", {"tokens": ids}).json()["content"].replace("\u2581", " ").strip() == "the cat sat"
+    assert_error(server.post("/detokenize", {"tokens": [-1]}), 400, param="tokens")

@@ -1,7 +1,8 @@
 """`specchat serve`: an OpenAI-compatible HTTP server over one engine.
 
 Routes, shaped as OpenAI's API and llama.cpp's `llama-server` shape them:
-`GET /health`, `GET /slots`, `GET /v1/models`, `POST /v1/chat/completions` (the messages go
+`GET /health`, `GET /slots`, `GET /v1/models`, `POST /tokenize` and `/detokenize`,
+`POST /v1/chat/completions` (the messages go
 through the model's chat template, `app.prompt_format.PromptFormat.tokens`;
 plain text for a model without one) and `POST /v1/completions` (the prompt
 text as it is, `PromptFormat.raw`). Both stream as server-sent events

@@ -146,7 +146,8 @@ class Server:
     async def health(self, request: Request) -> Response:
         w = self.worker
         return JSONResponse({"status": "ok", "parallel": w.parallel, "running": w.running, "queued": w.queued,
-                             "handled": w.handled, "cancelled": w.cancelled, "kv_errors": w.pool.kv_errors})
+                             "handled": w.handled, "cancelled": w.cancelled, "kv_errors": w.pool.kv_errors,
+                             "kv_cells": w.pool.kv_cells, "kv_cached": w.pool.kv_cached})
 
     async def slots(self, request: Request) -> Response:
         """llama-server's GET /slots: what each slot is doing and how much of a prompt it holds."""
@@ -163,6 +164,30 @@ class Server:
             "meta": {"n_ctx": self.n_ctx, "draft": self.config.draft_id, "strategy": d.strategy,
                      "strategies": list(STRATEGIES), "strategy_settings": strategy_label(d.strategy, d.options)},
         }]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """llama-server's POST /tokenize: {"content", "add_special"} -> {"tokens"} (the vocabulary is read-only:
+        no need to wait for the engine's thread)."""
+        self._authorize(request)
+        body = await self._json(request)
+        content, add_special = body.get("content"), body.get("add_special", False)
+        if not isinstance(content, str):
+            raise bad("'content' must be a string", "content")
+        if not isinstance(add_special, bool):
+            raise bad("'add_special' must be true or false", "add_special")
+        model = self.worker.engine.target_model
+        return JSONResponse({"tokens": model.tokenize(content, add_special=add_special, parse_special=True)})
+
+    async def detokenize(self, request: Request) -> Response:
+        """llama-server's POST /detokenize: {"tokens"} -> {"content"}."""
+        self._authorize(request)
+        tokens = (await self._json(request)).get("tokens")
+        model = self.worker.engine.target_model
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < model.n_vocab for t in tokens):
+            raise bad(f"'tokens' must be a list of token ids (0..{model.n_vocab - 1})", "tokens")
+        # The pieces, as completions render them (and llama-server's detokenize does).
+        return JSONResponse({"content": b"".join(model.piece(t) for t in tokens).decode("utf-8", errors="replace")})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, "chat")
@@ -252,6 +277,8 @@ def make_app(config: ServerConfig, worker: EngineWorker) -> Starlette:
             Route("/slots", server.slots, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/tokenize", server.tokenize, methods=["POST"]),
+            Route("/detokenize", server.detokenize, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )

@@ -82,6 +82,15 @@ def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | N
     return value
 
 
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false", name)
+    return value
+
+
 def _stop(body: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
@@ -122,6 +131,7 @@ def sampling_params(body: Mapping[str, Any], defaults: GenParams, n_ctx: int) ->
             min_p=_number(body, "min_p", defaults.min_p),
             seed=seed,
             stop=_stop(body, defaults.stop),
+            ignore_eos=_flag(body, "ignore_eos", defaults.ignore_eos),
         )
     except ValueError as e:
         raise bad(str(e)) from None

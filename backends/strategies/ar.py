@@ -27,7 +27,7 @@ class Autoregressive(StepMachine):
 
         def step() -> Iterator[object]:
             yield from self.target.extending([run.pending])
-            logits = self.target.logits()
+            logits = run.logits(self.target)
             tok = sample_logits(logits, params, run.rng)
             ev = run.commit(tok, TARGET)
             if ev is not None:

@@ -777,7 +777,7 @@ class _Generation:
         decodes = 1
         reach = 1.0
         for i in range(k_max):
-            logits = draft.logits()
+            logits = self.run.logits(draft, path=tokens)
             # The confidence is the draft's top probability (of its tempered distribution when sampling),
             # as for sps and llama.cpp's --draft-p-min: the sampled token's own probability would call a
             # draft unsure wherever its distribution is flat, though a flat draft that matches a flat

@@ -32,14 +32,15 @@ def verify_chain(
     rows = yield from target.extending([run.pending, *drafts], logits="all")
     params = run.params
     if not drafts:  # a plain step: the target's own token, drawn without the dense vector
-        verdict = Verdict(0, sample_logits(target.logits(rows[0]), params, run.rng))
+        verdict = Verdict(0, sample_logits(run.logits(target, rows[0]), params, run.rng))
     elif params.greedy:
-        verdict = verify_greedy(drafts, lambda i: argmax(target.logits(rows[i])))
+        verdict = verify_greedy(drafts, lambda i: argmax(run.logits(target, rows[i], drafts[:i])))
     elif draft_dists is None:
-        verdict = verify_one_hot_chain(drafts, lambda i: probabilities(target.logits(rows[i]), params), run.rng)
+        verdict = verify_one_hot_chain(drafts, lambda i: probabilities(run.logits(target, rows[i], drafts[:i]), params),
+                                       run.rng)
     else:
         verdict = verify_draft_sampling(
-            drafts, draft_dists, lambda i: probabilities(target.logits(rows[i]), params), run.rng
+            drafts, draft_dists, lambda i: probabilities(run.logits(target, rows[i], drafts[:i]), params), run.rng
         )
     # The cache keeps the pending token and the accepted drafts.
     target.truncate(n_cached + verdict.n_accepted)

@@ -134,7 +134,7 @@ class LookaheadWindow:
                     break
                 best_seq, row = W + 1 + active[0], b.candidate_rows[active[0]][v]
             offered = [b.candidates[g][v] for g in active] if v < N - 1 else []
-            token, matched, counted = yield from pick_among(run, target.logits(row), offered, "lookahead")
+            token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, "lookahead")
             n_accepted += counted
             if run.reason is not None:
                 break
@@ -178,7 +178,7 @@ class LookaheadDecoding(StepMachine):
             # otherwise; the window's guesses are argmaxes over near-ties, and they follow.)
             cached = yield from target.syncing(prompt[:-1], logits=False)
             yield from target.extending(prompt[-1:])
-            logits = target.logits()
+            logits = run.logits(target)
             first_token.append(sample_logits(logits, params, run.rng))
             return cached
 

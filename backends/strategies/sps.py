@@ -52,7 +52,7 @@ class SpeculativeSampling(StepMachine):
                 return tokens, dists
             yield from self.draft.syncing(run.context)
             for i in range(k):
-                logits = self.draft.logits()
+                logits = run.logits(self.draft, path=tokens)
                 if params.greedy:
                     tok = argmax(logits)
                     confidence = top_probability(logits) if cfg.p_min > 0 else 1.0

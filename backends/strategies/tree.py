@@ -66,6 +66,15 @@ class _Node:
     logp: float  # cumulative draft log-probability
 
 
+def _path(nodes: list[_Node], i: int) -> list[int]:
+    """The tokens from the root to node i, i included (what a row after node i follows)."""
+    path = []
+    while i >= 0:
+        path.append(nodes[i].token)
+        i = nodes[i].parent
+    return path[::-1]
+
+
 @dataclass
 class _Branch:
     """A static tree's live branch: its last node, the draft sequence holding its path, the draft's next logits."""
@@ -121,10 +130,10 @@ class TreeSpeculation(StepMachine):
 
     # -- drafting: each shape returns every drafted node, parents first ------
 
-    def _root_logits(self, context: list[int]) -> Generator[Decode, list[int], np.ndarray]:
-        yield from self.draft.syncing(context)
+    def _root_logits(self, run: Run) -> Generator[Decode, list[int], np.ndarray]:
+        yield from self.draft.syncing(run.context)
         self.draft_forwards += 1
-        return self.draft.logits()
+        return run.logits(self.draft)
 
     def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> Generator[Decode, list[int], list[int]]:
         """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
@@ -132,10 +141,11 @@ class TreeSpeculation(StepMachine):
         self.draft_forwards += 1
         return rows
 
-    def _draft_dynamic(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
+    def _draft_dynamic(self, run: Run, max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
         """EAGLE-2's expansion: the top_k best nodes of each depth get their top_k children."""
         k = self.config.top_k
-        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs((yield from self._root_logits(context)), k)]
+        context = run.context
+        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs((yield from self._root_logits(run)), k)]
         layer = list(range(len(nodes)))
         scratch = _Scratch(self.draft)
         seq_of = {-1: 0}  # node -> draft sequence holding its path
@@ -146,17 +156,18 @@ class TreeSpeculation(StepMachine):
             rows = yield from self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
-                for t, lp in _top_log_probs(self.draft.logits(row), k):
+                for t, lp in _top_log_probs(run.logits(self.draft, row, _path(nodes, i)), k):
                     layer.append(len(nodes))
                     nodes.append(_Node(t, i, depth + 1, nodes[i].logp + lp))
         scratch.release()
         return nodes
 
-    def _draft_static(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
+    def _draft_static(self, run: Run, max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
         """llama.cpp's speculative.cpp: extend every branch by its top candidate, split off likely others."""
         cfg = self.config
         scratch = _Scratch(self.draft)
-        live = [_Branch(-1, 0, (yield from self._root_logits(context)))]
+        context = run.context
+        live = [_Branch(-1, 0, (yield from self._root_logits(run)))]
         n_branches = 1
         nodes: list[_Node] = []
         for depth in range(1, max_depth + 1):
@@ -181,7 +192,7 @@ class TreeSpeculation(StepMachine):
             if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
                 break
             rows = yield from self._decode(len(context), nodes, grown)
-            live = [_Branch(i, seq, self.draft.logits(row)) for (i, seq), row in zip(grown, rows)]
+            live = [_Branch(i, seq, run.logits(self.draft, row, _path(nodes, i))) for (i, seq), row in zip(grown, rows)]
         scratch.release()
         return nodes
 
@@ -214,11 +225,11 @@ class TreeSpeculation(StepMachine):
             out.append(i)
         return out
 
-    def _draft_tree(self, context: list[int], max_depth: int) -> Generator[Decode, list[int], tuple[list[_Node], int]]:
+    def _draft_tree(self, run: Run, max_depth: int) -> Generator[Decode, list[int], tuple[list[_Node], int]]:
         """The verified tree of this step, and how many nodes were drafted to choose it from."""
         before = self.draft_forwards
         draft = self._draft_static if self.config.shape == "static" else self._draft_dynamic
-        drafted = yield from draft(context, max_depth)
+        drafted = yield from draft(run, max_depth)
         return self._select(drafted, self.draft_forwards - before), len(drafted)
 
     def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
@@ -237,7 +248,7 @@ class TreeSpeculation(StepMachine):
 
         def tree_step() -> Iterator[object]:
             n_past = len(run.context) - 1
-            nodes, drafted = yield from self._draft_tree(run.context, min(self.config.depth, run.room() - 1))
+            nodes, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
             children: list[list[int]] = [[] for _ in range(len(nodes) + 1)]  # index 0 = the root
             for i, n in enumerate(nodes):
                 children[n.parent + 1].append(i)
@@ -263,7 +274,7 @@ class TreeSpeculation(StepMachine):
             while True:
                 kids = children[cur + 1]
                 offered = [nodes[k].token for k in kids]
-                token, matched, counted = yield from pick_among(run, target.logits(row), offered, "draft")
+                token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, "draft")
                 n_accepted += counted
                 if run.reason is not None or not matched:
                     break

@@ -5,20 +5,26 @@ then:
 1. runs every prompt once, one at a time, at temperature 0: the reference texts;
 2. phase A: `--clients` threads x `--per-client` streamed requests at once
    (the server decodes up to --parallel of them together, the rest wait FIFO), each output checked
-   against its reference; p50/p95 time to first token and total latency;
+   against its reference; p50/p95 time to first token and total latency. A share of them
+   (`--faults`) are faults: a stream the client drops after two chunks, or an invalid request
+   (which must get a 400);
 3. phase B: more of the same until `--requests` requests in all, then the
    server's resident memory (VmRSS in /proc/PID/status) against what it was
-   after step 1: a leak per request would show here.
+   after step 1: a leak per request would show here;
+4. the slots: none running, no cache found inconsistent after a generation (`kv_errors`), and the
+   cells llama.cpp holds equal to those the slots' records account for (`kv_cells` == `kv_cached`:
+   no cell leaked).
 Every request is bounded by a timeout and the whole run by `--max-seconds`;
 the server is stopped with Ctrl-C (SIGINT) at the end and must exit 0.
 
-    python tests/perf/serve_load.py                       # 8 x 10, 500 requests, 8 tokens each, sps, 2 threads
+    python tests/perf/serve_load.py                       # 8 x 10 (20% faults), 500 requests, 8 tokens, sps, -np 4
     python tests/perf/serve_load.py --requests 200 --max-tokens 16 --strategy lookup
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import socket
 import statistics
@@ -70,7 +76,8 @@ def rss_kib(pid: int) -> int:
 def start(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [sys.executable, "-m", "app", "serve", "-m", "demo", "-md", "demo-draft", "-s", args.strategy,
-           "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads), "--temp", "0"]
+           "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads), "--temp", "0",
+           "-np", str(args.parallel)]
     print("server:", " ".join(cmd[1:]), file=sys.stderr)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
@@ -106,29 +113,55 @@ def one_request(client: openai.OpenAI, prompt: int, max_tokens: int) -> Outcome:
     return Outcome(prompt, "".join(parts), total if ttft is None else ttft, total)
 
 
-def concurrent(url: str, clients: int, n_requests: int, max_tokens: int, first: int, deadline: float) -> list[Outcome]:
-    """`n_requests` streamed requests from `clients` threads at once; prompt i = request number mod prompts."""
+def fault(url: str, client: openai.OpenAI, prompt: int, rng: random.Random) -> str | None:
+    """A dropped stream (two chunks, then the client goes) or an invalid request; what went wrong, if anything."""
+    if rng.random() < 0.5:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[prompt], "temperature": -1}, timeout=60)
+        return None if r.status_code == 400 else f"an invalid request answered {r.status_code}"
+    try:
+        stream = client.completions.create(model="demo", prompt=PROMPTS[prompt], max_tokens=2000, temperature=0,
+                                           stream=True)
+        it = iter(stream)
+        next(it), next(it)
+        stream.close()
+    except (openai.APIError, httpx.HTTPError, StopIteration) as e:
+        return f"a stream to drop failed first: {e!r}"
+    return None
+
+
+def concurrent(url: str, clients: int, n_requests: int, max_tokens: int, first: int, deadline: float,
+               faults: float = 0.0) -> tuple[list[Outcome], list[str]]:
+    """`n_requests` streamed requests from `clients` threads at once; prompt i = request number mod prompts; a
+    share `faults` of them are faults instead (`fault`). The valid requests' outcomes and what faults broke."""
     outcomes: list[Outcome] = []
+    broken: list[str] = []
     lock = threading.Lock()
     counter = iter(range(first, first + n_requests))
 
-    def worker() -> None:
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         while time.monotonic() < deadline:
             with lock:
                 i = next(counter, None)
             if i is None:
                 return
+            if rng.random() < faults:
+                problem = fault(url, client, i % len(PROMPTS), rng)
+                if problem:
+                    with lock:
+                        broken.append(problem)
+                continue
             outcome = one_request(client, i % len(PROMPTS), max_tokens)
             with lock:
                 outcomes.append(outcome)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
+    threads = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return outcomes
+    return outcomes, broken
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -160,6 +193,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per request (default: 8)")
     p.add_argument("--strategy", default="sps", help="the server's strategy (default: sps)")
     p.add_argument("-t", "--threads", type=int, default=2, help="the server's CPU threads (default: 2)")
+    p.add_argument("-np", "--parallel", type=int, default=4, help="the server's parallel slots (default: 4)")
+    p.add_argument("--faults", type=float, default=0.2,
+                   help="phase A: share of requests that are dropped streams or invalid (default: 0.2)")
     p.add_argument("--max-seconds", type=float, default=1500, help="stop sending requests after this (default: 1500)")
     args = p.parse_args()
 
@@ -178,18 +214,26 @@ def main() -> int:
               f"max {max(seq):.0f}")
         rss_before = rss_kib(proc.pid)
         n_a = args.clients * args.per_client
-        a = concurrent(url, args.clients, n_a, args.max_tokens, 0, deadline)
-        failures += check(a, texts, f"phase A ({args.clients} clients x {args.per_client})")
+        a, broken = concurrent(url, args.clients, n_a, args.max_tokens, 0, deadline, args.faults)
+        failures += check(a, texts, f"phase A ({args.clients} clients x {args.per_client}, "
+                                    f"{n_a - len(a)} of them faults)") + len(broken)
+        for problem in broken[:3]:
+            print(f"  fault: {problem}")
         rss_a = rss_kib(proc.pid)
         n_b = max(0, args.requests - len(reference) - n_a)
-        b = concurrent(url, args.clients, n_b, args.max_tokens, n_a, deadline)
+        b, _ = concurrent(url, args.clients, n_b, args.max_tokens, n_a, deadline)
         failures += check(b, texts, f"phase B ({args.clients} clients)")
         rss_after = rss_kib(proc.pid)
-        served = len(reference) + len(a) + len(b)
+        served = len(reference) + n_a + len(b)
         if served < args.requests:
             print(f"stopped early at {served} requests: --max-seconds {args.max_seconds:g} reached")
             failures += 1
-        health = httpx.get(f"{url}/health", timeout=10).json()
+        while (health := httpx.get(f"{url}/health", timeout=10).json())["running"] and time.monotonic() < deadline:
+            time.sleep(0.1)  # dropped streams end within a step
+        leaked = health["kv_cells"] != health["kv_cached"]
+        print(f"slots: {health['running']} running, kv_errors {health['kv_errors']}, cells held "
+              f"{health['kv_cells']}, accounted for {health['kv_cached']}{' (LEAKED)' if leaked else ''}")
+        failures += bool(health["running"] or health["kv_errors"] or leaked)
         print(f"server RSS: {rss_before / 1024:.1f} MiB after the sequential runs, {rss_a / 1024:.1f} MiB after "
               f"phase A, {rss_after / 1024:.1f} MiB after {served} requests "
               f"({(rss_after - rss_before) / 1024:+.1f} MiB); server handled {health['handled']}, "
