@@ -18,8 +18,8 @@ first repeat.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 from app.errors import UserError
 from app.prompt_sets import BenchPrompt
@@ -27,6 +27,7 @@ from backends.cost import BatchCost, best_chain_speedup, predicted_speedup
 from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, until_done
+from backends.grammar import Grammar, compile_grammar
 from backends.sampling import GenParams
 
 CHAIN_STRATEGIES = ("sps", "lookup")
@@ -48,6 +49,8 @@ class ConfigResult:
     # Target forwards by what they verified (plain, draft, lookup, ...), per prompt category.
     choices_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    grammar_seconds: float = 0.0  # time the grammar took (masks, look-aheads), under a schema
+    decode_seconds: float = 0.0
     limits: list[float] = field(default_factory=list)  # per run: speedup the decode times alone allow
     generated: int = 0
     forwards: int = 0
@@ -67,6 +70,8 @@ class ConfigResult:
         for source, n in s.tokens_by_source.items():
             self.tokens_by_source[source] = self.tokens_by_source.get(source, 0) + n
         self.tok_s.append(s.tokens_per_second)
+        self.grammar_seconds += float(s.extra.get("grammar_seconds", 0.0))
+        self.decode_seconds += s.decode_seconds
         if cost is not None and s.target_forwards:
             fwd = s.target_forwards
             # Draft decode calls per forward: one per drafted token for a chain, one per depth for a tree.
@@ -100,6 +105,9 @@ class ConfigResult:
             "choices_by_category": {c: dict(sorted(m.items())) for c, m in self.choices_by_category.items()},
             "tokens_by_source": dict(sorted(self.tokens_by_source.items())),
         }
+        if self.grammar_seconds:
+            out["grammar_ms_per_token"] = round(1e3 * self.grammar_seconds / max(self.generated, 1), 4)
+            out["grammar_share_of_time"] = round(self.grammar_seconds / max(self.decode_seconds, 1e-9), 4)
         if self.limits:
             out["predicted_speedup"] = round(statistics.median(self.limits), 4)
         if cost is not None and self.config.strategy in CHAIN_STRATEGIES and self.drafted:
@@ -108,6 +116,13 @@ class ConfigResult:
             bound, k = best_chain_speedup(self.accepted / self.drafted, c, cost)
             out["best_chain_bound"] = {"speedup": round(bound, 4), "K": k}
         return out
+
+
+def prompt_grammars(engine: Engine, prompts: Sequence[BenchPrompt]) -> list[Grammar | None]:
+    """Each prompt's schema compiled for the target's vocabulary (None for a prompt without one)."""
+    model = engine.target_model
+    return [compile_grammar("json_schema", p.schema, model.guidance_tokenizer, model.n_vocab) if p.schema else None
+            for p in prompts]
 
 
 def _run(engine: Engine, config: BenchConfig, tokens: list[int], params: GenParams) -> Done:
@@ -128,6 +143,7 @@ def run_bench(
     cost: BatchCost | None = None,
     draft_cost: float = 0.0,
     progress: Callable[[str], None] = lambda _m: None,
+    grammars: Sequence[Grammar | None] = (),
 ) -> list[ConfigResult]:
     """Run every configuration on every prompt (`tokenized`: as the target sees it) `repeats` times.
 
@@ -136,6 +152,7 @@ def run_bench(
     going first (the order rotates by one per prompt and repeat), so that none
     always follows the same one: on a shared machine a slow spell, or what
     the run before left in the caches, then falls on each alike.
+    `grammars[i]`, when given, is what prompt i's answer must follow (the extract set's schemas).
     """
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
     # `auto` starts from nothing learnt, as on a new machine, so that the figures do not depend on what earlier
@@ -149,11 +166,12 @@ def run_bench(
     done_runs = 0
     for rep in range(repeats):
         for i, (prompt, tokens) in enumerate(zip(prompts, tokenized)):
+            run_params = replace(params, grammar=grammars[i]) if i < len(grammars) and grammars[i] else params
             first = (rep * len(prompts) + i) % len(results)
             dones: dict[int, Done] = {}
             for n in [*range(first, len(results)), *range(first)]:
                 res = results[n]
-                dones[n] = done = _run(engine, res.config, tokens, params)
+                dones[n] = done = _run(engine, res.config, tokens, run_params)
                 res.add(done, cost, draft_cost, prompt.category)
                 done_runs += 1
                 progress(f"[{done_runs}/{total}] repeat {rep + 1}, {prompt.category}, {res.config.label}: "

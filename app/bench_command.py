@@ -6,8 +6,9 @@ import argparse
 import json
 import platform
 import sys
+from dataclasses import replace
 from pathlib import Path
-from app.bench import BenchConfig, format_table, measure_costs, mismatch_lines, run_bench
+from app.bench import BenchConfig, format_table, measure_costs, mismatch_lines, prompt_grammars, run_bench
 from app.errors import print_progress
 from app.bench_plot import write_load_plot, write_plot
 from app.chat_template import ChatMessage
@@ -58,6 +59,7 @@ def bench_tokens(fmt: PromptFormat, prompts: list[BenchPrompt], raw: bool, syste
 
 
 def bench(args: argparse.Namespace, settings: Settings) -> int:
+    settings = replace(settings, suffix_cache=bool(args.suffix_cache) and settings.suffix_cache is not False)
     params, options = settings.params, settings.options
     if args.raw and settings.system_prompt:
         raise ValueError("--system needs the chat template; it cannot go with --raw")
@@ -82,8 +84,10 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         if args.cost_k_max > 0:
             print_progress(f"measuring the batch cost curve (k = 1..{args.cost_k_max})")
             cost, draft_cost = measure_costs(engine, tokenized[0], args.cost_k_max)
+        if args.unmasked_drafts:
+            params = replace(params, mask_drafts=False)
         results = run_bench(engine, configs, prompts, tokenized, params, args.repeats, cost, draft_cost,
-                            print_progress)
+                            print_progress, prompt_grammars(engine, prompts))
     finally:
         engine.close()
     rows = [r.summary(cost, draft_cost) for r in results]

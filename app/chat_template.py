@@ -20,13 +20,48 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant message made: OpenAI's `{"id", "type": "function", "function": {"name", "arguments"}}`
+    (arguments as the JSON text the model wrote)."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function's name
+
+
+def _arguments(text: str) -> object:
+    """Templates write a call's arguments with `tojson`: as an object, not the string that holds it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def message_dict(m: ChatMessage) -> dict[str, object]:
+    """A message as Hugging Face's apply_chat_template passes it to a template."""
+    out: dict[str, object] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 class ChatTemplateError(ValueError):
@@ -53,14 +88,18 @@ def _compile(source: str):
         raise ChatTemplateError(f"the model's chat template does not parse: {e}") from None
 
 
-def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, eos_token: str) -> str:
-    """The conversation as the model expects it, ending with the assistant's turn opened."""
+def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, eos_token: str,
+                tools: Sequence[dict] | None = None) -> str:
+    """The conversation as the model expects it, ending with the assistant's turn opened. `tools` (OpenAI's
+    function definitions) go to a template that uses them, as apply_chat_template passes them."""
+    extra = {"tools": list(tools)} if tools else {}
     try:
         return _compile(template).render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[message_dict(m) for m in messages],
             add_generation_prompt=True,
             bos_token=bos_token,
             eos_token=eos_token,
+            **extra,
         )
     except ChatTemplateError:
         raise

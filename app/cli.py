@@ -16,9 +16,12 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from typing import Callable, NoReturn, Sequence
 
 from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error, print_progress
+from app.cache_command import add_cache_parser, run_cache
+from app.grammar_flags import add_grammar_flags, grammar_from_flags
 from app.loading import open_engine
 from app.models_command import add_models_parser, run_models
 from app.rpc_command import add_rpc_parser
@@ -26,7 +29,8 @@ from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
-from backends.config import AUTO, SHAPES, AutoConfig, LookaheadConfig, LookupConfig, SpsConfig, TreeConfig
+from backends.config import (AUTO, SHAPES, SUFFIX_CACHE_TOKENS, AutoConfig, LookaheadConfig, LookupConfig, SpsConfig,
+                             TreeConfig)
 from backends.registry import DEFAULT_STRATEGY, REGISTRY, n_seq_needed, require_draft
 from backends.events import Done
 
@@ -47,6 +51,12 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default: 0.05)")
     g.add_argument("--seed", type=_seed, default=None, help="random seed for sampling; -1 = random (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    s_mem = p.add_argument_group("speculation memory")
+    s_mem.add_argument("--no-suffix-cache", dest="suffix_cache", action="store_false", default=None,
+                       help="neither consult nor update the speculation memory of earlier outputs")
+    s_mem.add_argument("--suffix-cache-size", type=int, default=None, metavar="TOKENS",
+                       help=f"the speculation memory's bound in tokens (default: {SUFFIX_CACHE_TOKENS:,}); the "
+                            "least recently used texts go first")
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="never end at an end-of-generation token: exactly -n tokens (for benchmarks)")
     s = p.add_argument_group("speculation")
@@ -158,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_strategy_flag(run)
     _add_prompt_flags(run)
     _add_generation_flags(run)
+    add_grammar_flags(run)
 
     chat = sub.add_parser("chat", help="open the chat app (the default with no command)",
                           description="Open the chat app. Flags given here override the saved settings "
@@ -184,7 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated strategies, of {','.join(REGISTRY)} "
                             "(default: ar,sps,lookahead,lookup,auto; sps and tree only with -md)")
     bench.add_argument("--prompts", default="builtin",
-                       help="builtin, chat (instruct requests), humaneval, or a JSONL file (default: builtin)")
+                       help="builtin, chat (instruct requests), extract (JSON extraction, each answer under its "
+                            "schema), humaneval, or a JSONL file (default: builtin)")
+    bench.add_argument("--suffix-cache", action="store_true",
+                       help="use and update the speculation memory (off by default: the bench's runs would "
+                            "otherwise speed each other up, and its texts would stay in your memory)")
+    bench.add_argument("--unmasked-drafts", action="store_true",
+                       help="under a schema, let drafters propose without it (only the target is masked, as "
+                            "llama.cpp does): what masking the drafts gains")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
@@ -204,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub, _Parser)
     add_serve_parser(sub, _Parser, _add_model_flags, lambda p: _add_generation_flags(p, output=False))
     add_rpc_parser(sub, _Parser)
+    add_cache_parser(sub, _Parser)
     return parser
 
 
@@ -271,10 +290,15 @@ def generate(args: argparse.Namespace) -> int:
                          with_draft=REGISTRY[args.strategy].uses_draft)
     try:
         strategy = engine.strategy(args.strategy, options)
+        grammar = grammar_from_flags(args, engine.target_model)
+        if grammar is not None:
+            params = replace(params, grammar=grammar)
         tokens = PromptFormat(engine).prompt(prompt_text, settings.system_prompt, raw=raw)
         color = sys.stdout.isatty() if args.color is None else args.color
         view = TextView(sys.stdout, color)
-        show: Callable[[object], None] = (lambda ev: print(event_json(ev), flush=True)) if args.json else view.show
+        parse = getattr(args, "json_schema", None) is not None
+        show: Callable[[object], None] = (lambda ev: print(event_json(ev, parse), flush=True)) if args.json \
+            else view.show
         if args.command == "demo" and not args.json:
             if color:
                 print(LEGEND, file=sys.stderr, flush=True)
@@ -307,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return chat(args)
         if args.command == "models":
             return run_models(args)
+        if args.command == "cache":
+            return run_cache(args)
         from backends.llama import set_native_logging  # llama.cpp loads only for the commands that run it
 
         set_native_logging(args.debug)

@@ -37,7 +37,8 @@ class PromptFormat:
         """`text` tokenized as it is (BOS added as the model asks), no template."""
         return self.engine.tokenize(text)
 
-    def render(self, messages: Sequence[ChatMessage], system_prompt: str = "") -> str:
+    def render(self, messages: Sequence[ChatMessage], system_prompt: str = "",
+               tools: Sequence[dict] | None = None) -> str:
         """The text the model reads (for a template: with the assistant's turn opened)."""
         if self.plain:
             text = f"{system_prompt}\n" if system_prompt else ""
@@ -50,10 +51,12 @@ class PromptFormat:
         info, model = self.engine.target_info, self.engine.target_model
         bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
         eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
-        return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos)
+        return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools)
 
-    def tokens(self, messages: Sequence[ChatMessage], system_prompt: str = "") -> list[int]:
-        text = self.render(messages, system_prompt)
+    def tokens(self, messages: Sequence[ChatMessage], system_prompt: str = "",
+               tools: Sequence[dict] | None = None) -> list[int]:
+        """The conversation's tokens; `tools` go to a template that uses them (app.serve.tools decides)."""
+        text = self.render(messages, system_prompt, tools)
         if self.plain:
             return self.engine.tokenize(text)
         model, info = self.engine.target_model, self.engine.target_info

@@ -78,7 +78,9 @@ class TextView:
             self.out.flush()
 
 
-def event_json(event: Event) -> str:
+def event_json(event: Event, parse: bool = False) -> str:
+    """One line of `--json`. With `parse` (a run under --json-schema) the done line carries the output parsed
+    (`"parsed"`), or `"parsed": null` and `"parse_error"` when it is not whole JSON (cut by -n)."""
     if isinstance(event, Prefilled):
         obj: dict[str, object] = {
             "type": "prefilled",
@@ -89,6 +91,8 @@ def event_json(event: Event) -> str:
     elif isinstance(event, Token):
         obj = {"type": "token", "id": event.id, "text": event.text, "kind": event.kind, "correction": event.correction,
                "source": event.source}
+        if event.logprob is not None:
+            obj["logprob"] = event.logprob
     elif isinstance(event, StepEnd):
         obj = {"type": "step", "drafted": event.drafted, "accepted": event.accepted, "seconds": round(event.seconds, 6),
                "choice": event.choice}
@@ -104,6 +108,11 @@ def event_json(event: Event) -> str:
         }
         if event.error:
             obj["error"] = event.error
+        if parse:
+            try:
+                obj["parsed"] = json.loads(event.text)
+            except json.JSONDecodeError as e:
+                obj["parsed"], obj["parse_error"] = None, str(e)
     return json.dumps(obj, ensure_ascii=False)
 
 

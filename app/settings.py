@@ -17,7 +17,7 @@ from typing import Any, Mapping, TypeVar
 
 import platformdirs
 
-from backends.config import StrategyOptions
+from backends.config import SUFFIX_CACHE_TOKENS, StrategyOptions
 from backends.registry import DEFAULT_STRATEGY, STRATEGIES
 from backends.sampling import GenParams
 from models.files import write_atomic
@@ -52,6 +52,8 @@ class Settings:
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target (HOST:PORT each)
+    suffix_cache: bool = True  # the speculation memory (backends.suffix): consulted and updated
+    suffix_cache_size: int = SUFFIX_CACHE_TOKENS  # its bound, in tokens
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -60,6 +62,8 @@ class Settings:
             raise ValueError("the context size must be at least 16 tokens")
         if self.n_batch < 1:
             raise ValueError("the batch size (-b) must be at least 1")
+        if self.suffix_cache_size < 1000:
+            raise ValueError("--suffix-cache-size must be at least 1000 tokens")
         if self.threads is not None and self.threads < 1:
             raise ValueError("the thread count (-t) must be at least 1")
 
@@ -107,6 +111,8 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "seed": ("params.seed",),
     "stop": ("params.stop",),
     "ignore_eos": ("params.ignore_eos",),
+    "suffix_cache": ("suffix_cache",),
+    "suffix_cache_size": ("suffix_cache_size",),
     "draft_max": ("options.sps.draft_max", "options.lookup.draft_max", "options.auto.draft_max"),
     "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
     "lookahead_window": ("options.lookahead.window",),

@@ -136,6 +136,7 @@ class AutoConfig:
 
     draft: bool = True  # the draft-model chain (when a draft model is loaded)
     lookup: bool = True  # prompt lookup
+    memory: bool = True  # continuations from the speculation memory (backends.suffix), when it is on
     lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
     explore_budget: float = 0.01  # most of the time spent trying options the estimates call worse
     draft_max: int = 12  # longest draft chain or lookup proposal one step verifies
@@ -147,12 +148,40 @@ class AutoConfig:
             raise ValueError("auto's draft_max must be at least 1")
 
 
+# The speculation memory's bound, in tokens (backends.suffix; docs/results.md, "Speculation memory": its size
+# on disk, load time and cost per step at this bound).
+SUFFIX_CACHE_TOKENS = 500_000
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """`suffix`: token trees from the speculation memory and the request (SuffixDecoding's shape rule)."""
+
+    depth: int = 16  # deepest continuation proposed
+    max_nodes: int = 24  # most tree nodes verified in one step
+    factor: float = 2.0  # at most factor x the match length nodes (SuffixDecoding's alpha)
+    min_prob: float = 0.1  # a node at least this share of the occurrences goes through
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.max_nodes < 1:
+            raise ValueError("suffix's depth and max_nodes must be at least 1")
+        if self.factor <= 0 or not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError("suffix's factor must be > 0 and min_prob in [0, 1]")
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.max_nodes + 1
+
+
 @dataclass(frozen=True)
 class StrategyOptions:
-    """Settings of every strategy; each takes its own part."""
+    """Settings of every strategy; each takes its own part. `suffix_cache` False: this generation neither
+    consults nor updates the speculation memory (a request that must not be remembered)."""
 
     sps: SpsConfig = field(default_factory=SpsConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    suffix_cache: bool = True

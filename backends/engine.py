@@ -17,6 +17,7 @@ context; llama-server divides -c among its slots instead).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -28,7 +29,8 @@ from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, 
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
-from backends.strategies.base import Strategy
+from backends.suffix import DEFAULT_MAX_TOKENS, SuffixStore, memory_file, suffix_cache_dir
+from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
@@ -57,6 +59,10 @@ class EngineConfig:
     # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept. What
     # strategies learnt (auto's estimates) is kept beside it, in LEARNT_FILE, or not at all.
     cost_cache: Path | None = None
+    # The speculation memory's folder (backends.suffix: one file per vocabulary); None: the data dir's
+    # (or $SPECCHAT_SUFFIX_CACHE), "": no memory. Its bound, in tokens.
+    suffix_cache: Path | None = None
+    suffix_cache_size: int = DEFAULT_MAX_TOKENS
 
 
 def cost_cache_path(configured: Path | None) -> Path | None:
@@ -112,12 +118,14 @@ class Engine:
         # conversation and between sessions (LEARNT_FILE).
         self.learnt = Learnt(JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None),
                              lambda: self._cost_key)
+        self._memory: SuffixStore | None = None
+        self._memory_dir = suffix_cache_dir(config.suffix_cache)
         per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
         self.slots: list[Slot] = []
         for i in range(n_par):
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
             draft = KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
-            self.slots.append(Slot(target, draft, self._slot_cost, self.learnt))
+            self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory))
 
     @property
     def target(self) -> KvSequence:
@@ -144,8 +152,22 @@ class Engine:
         return self.target_model.tokenize(text, add_special=True, parse_special=True)
 
     def strategy(self, name: str, options: StrategyOptions = StrategyOptions(), slot: int = 0) -> Strategy:
-        """The named strategy on one of this engine's slots (backends.registry)."""
-        return spec(name).build(self.slots[slot], options)
+        """The named strategy on one of this engine's slots (backends.registry). With the speculation memory
+        on (and the options not refusing it), what it generates is remembered (Remembering)."""
+        strategy = spec(name).build(self.slots[slot], options)
+        memory = self.memory() if options.suffix_cache else None
+        return Remembering(strategy, memory) if memory is not None else strategy
+
+    # -- the speculation memory -------------------------------------------------
+
+    def memory(self) -> SuffixStore | None:
+        """This vocabulary's speculation memory (backends.suffix), opened on first use; None when off."""
+        if self._memory is None and self._memory_dir is not None:
+            model = self.target_model
+            self._memory = SuffixStore(memory_file(self._memory_dir, model.vocab_hash), model.vocab_hash,
+                                       model.n_vocab, self.config.suffix_cache_size,
+                                       warn=lambda m: print(f"specchat: warning: {m}", file=sys.stderr, flush=True))
+        return self._memory
 
     # -- the device's measured cost -----------------------------------------
 
@@ -209,6 +231,8 @@ class Engine:
         self.learnt.afresh()
 
     def close(self) -> None:
+        if getattr(self, "_memory", None) is not None:
+            self._memory.flush()  # type: ignore[union-attr]
         for lane in (self.target_lane, self.draft_lane):
             if lane is not None:
                 lane.ctx.close()

@@ -14,7 +14,7 @@ from typing import Iterable, Literal, Union
 
 TokenKind = Literal["accepted", "target", "rejected"]
 # Who proposed a token: the draft model, prompt lookup, lookahead's n-gram pool, or nobody (the target's own).
-Source = Literal["draft", "lookup", "lookahead", "target"]
+Source = Literal["draft", "lookup", "lookahead", "grammar", "memory", "target"]
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
 
 ACCEPTED: TokenKind = "accepted"
@@ -41,7 +41,12 @@ class Token:
     their own piece for display only.
     `correction` marks a target token sampled right after a rejection.
     `source` says who proposed it: a drafter for accepted and rejected
-    tokens, "target" for the target's own.
+    tokens ("grammar" for a stretch the grammar forces), "target" for the
+    target's own.
+    With `GenParams.logprobs`, an output token carries its log-probability
+    under the target's distribution at its place (after a grammar's mask, at
+    temperature 1, before any truncation) and the `logprobs` likeliest
+    tokens there with theirs, best first.
     """
 
     id: int
@@ -49,6 +54,8 @@ class Token:
     kind: TokenKind
     correction: bool = False
     source: Source = "target"
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

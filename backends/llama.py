@@ -235,6 +235,100 @@ class LlamaModel:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     @functools.cached_property
+    def guidance_tokenizer(self):  # -> llguidance.LLTokenizer
+        """This vocabulary as llguidance sees it, for grammars (backends.grammar): every token's bytes (control
+        tokens, and user-defined ones that look like them, marked special with a 0xff byte, as llguidance's
+        own llama.cpp adapter marks them), llama.cpp's tokenizer, and the end-of-generation tokens as the ends
+        a grammar allows once complete. Built once per model (a fraction of a second for 50k tokens).
+
+        llguidance's adapter (llguidance.llamacpp) hands llama_tokenize to Rust as a raw pointer; on a
+        vocabulary without byte tokens it crashed the process here, so the tokenizer goes through Python.
+        Such a SentencePiece vocabulary cannot spell every text at all (llama.cpp's tokenizer aborts on a
+        character it has no token for): grammars are refused on it with one line."""
+        import llguidance
+
+        if llama_cpp.llama_vocab_type(self._vocab) == llama_cpp.LLAMA_VOCAB_TYPE_SPM and not self._spm_has_bytes():
+            raise ModelError(f"{self.path.name}: this SentencePiece vocabulary has no byte tokens, so it cannot "
+                             "spell every text a grammar may ask for")
+        control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+        user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        buf = ctypes.create_string_buffer(1024)
+        tokens: list[bytes] = []
+        for t in range(self.n_vocab):
+            n = llama_cpp.llama_token_to_piece(self._vocab, t, buf, len(buf), 0, True)
+            piece = buf.raw[:max(n, 0)]
+            attr = llama_cpp.llama_vocab_get_attr(self._vocab, t)
+            if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+                piece = b"\xff" + piece
+            tokens.append(piece)
+        model = self
+        # A SentencePiece vocabulary that adds a space before every text (llama.cpp's add_space_prefix, Llama 2's
+        # default) would make llguidance read that space as part of whatever it asks to tokenize: a text is
+        # tokenized without it (the first token's leading space taken off and the rest spelt by the longest
+        # pieces), so that the tokens spell exactly the text.
+        probe = self.tokenize("a", add_special=False, parse_special=False)
+        adds_space = bool(probe) and tokens[probe[0]].startswith(b" ")
+        by_piece = {p: t for t, p in enumerate(tokens) if p and not p.startswith(b"\xff")} if adds_space else {}
+        longest = max(map(len, by_piece), default=1)
+
+        def spell(data: bytes) -> list[int]:
+            out, i = [], 0
+            while i < len(data):
+                n = next((n for n in range(min(longest, len(data) - i), 0, -1) if data[i:i + n] in by_piece), 0)
+                if n == 0:
+                    return []  # not spellable piece by piece: leave it to the tokenizer
+                out.append(by_piece[data[i:i + n]])
+                i += n
+            return out
+
+        class _Vocabulary:  # what llguidance.TokenizerWrapper reads
+            eos_token_id = self.eos if self.eos >= 0 else (self.eog_ids[0] if self.eog_ids else 0)
+            bos_token_id = self.bos if self.bos >= 0 else None
+            special_token_ids = [t for t in range(self.n_vocab) if tokens[t].startswith(b"\xff")]
+
+            def __init__(self) -> None:
+                self.tokens = tokens
+
+            def __call__(self, text: str | bytes) -> list[int]:
+                s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+                ids = model.tokenize(s, add_special=False, parse_special=False)
+                if adds_space and ids and tokens[ids[0]].startswith(b" "):  # llama.cpp adds it to every text
+                    rest = tokens[ids[0]][1:]
+                    head = spell(rest) if rest else []
+                    if rest and not head:
+                        return ids
+                    ids = head + ids[1:]
+                return ids
+
+        vocabulary = _Vocabulary()
+        # llguidance allows a forced stretch only in the tokens this tokenizer spells it with: they must spell it
+        # back byte for byte, or the grammar would refuse what its own mask allowed, mid-answer.
+        for probe in ("{", '{"a": 1}', " x", "a b", "\n"):
+            spelt = b"".join(tokens[t] for t in vocabulary(probe))
+            if spelt != probe.encode():
+                raise ModelError(f"{self.path.name}: this vocabulary's tokenizer spells {probe!r} as {spelt!r}, so "
+                                 "grammars cannot run on it")
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=self.n_vocab,
+                                      eos_token=list(self.eog_ids) or None)
+
+    def _spm_has_bytes(self) -> bool:
+        """Whether a SentencePiece vocabulary holds the 256 byte tokens <0x00>..<0xFF> (its fallback)."""
+        texts = {llama_cpp.llama_vocab_get_text(self._vocab, t) for t in range(self.n_vocab)}
+        return all(b"<0x%02X>" % b in texts for b in range(256))
+
+    @functools.cached_property
+    def vocab_hash(self) -> bytes:
+        """SHA-256 of the vocabulary (every token's text and attributes): models that share it share a
+        speculation memory (backends.suffix)."""
+        import hashlib
+
+        h = hashlib.sha256(str(self.n_vocab).encode())
+        for t in range(self.n_vocab):
+            h.update(llama_cpp.llama_vocab_get_text(self._vocab, t) or b"")
+            h.update(b"\0%d\0" % llama_cpp.llama_token_get_attr(self._vocab, t))
+        return h.digest()
+
+    @functools.cached_property
     def eog_ids(self) -> tuple[int, ...]:
         """Every end-of-generation token of the vocabulary (EOS, EOT, <|im_end|>, ...)."""
         return tuple(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))

@@ -82,6 +82,12 @@ def _build_tree(slot: "Slot", o: StrategyOptions) -> "Strategy":
     return TreeSpeculation(slot.target, _draft(slot, "tree"), o.tree, slot.device_cost)
 
 
+def _build_suffix(slot: "Slot", o: StrategyOptions) -> "Strategy":
+    from backends.strategies.suffix import SuffixSpeculation
+
+    return SuffixSpeculation(slot.target, slot.memory() if o.suffix_cache else None, o.suffix)
+
+
 def _build_auto(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.auto import AutoDecoding
 
@@ -141,6 +147,12 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
         label=lambda o: f"lookup K={o.lookup.draft_max} n<={o.lookup.ngram_max}",
         sweep=lambda o: _grid(o, "lookup", [{"draft_max": k, "ngram_max": n}
                                             for k, n in ((4, 3), (10, 3), (16, 3), (10, 2))]),
+    ),
+    StrategySpec(
+        "suffix", "token trees from the speculation memory of earlier outputs and the request (SuffixDecoding)",
+        needs_draft=False, build=_build_suffix, n_seq=lambda o: o.suffix.n_seq_max,
+        label=lambda o: f"suffix D={o.suffix.depth} M={o.suffix.max_nodes}" + ("" if o.suffix_cache else " no memory"),
+        sweep=lambda o: _grid(o, "suffix", [{"max_nodes": m, "factor": f} for m, f in ((8, 1.0), (24, 4.0), (48, 4.0))]),
     ),
     StrategySpec(
         "tree", "token-tree speculation (EAGLE-2 dynamic tree, SpecInfer verification)", needs_draft=True,

@@ -19,9 +19,10 @@ import numpy as np
 
 from backends.errors import PromptError
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenStats, Prefilled, Source, StepEnd, Token
+from backends.grammar import Constraint
 from backends.kv import KvSequence
 from backends.llama import LlamaModel
-from backends.sampling import GenParams, make_rng
+from backends.sampling import GenParams, log_probabilities, make_rng
 from backends.text import TextStream
 
 
@@ -58,6 +59,12 @@ class Run:
         self.by_choice: dict[str, int] = {}
         self.extra: dict[str, object] = {}
         self._banned = np.asarray(model.eog_ids, dtype=np.int64) if params.ignore_eos and model.eog_ids else None
+        if params.grammar is not None and params.grammar.n_vocab != model.n_vocab:
+            raise PromptError(f"the grammar was compiled for a vocabulary of {params.grammar.n_vocab} tokens; "
+                              f"this model has {model.n_vocab}")
+        # Where the output stands in its grammar (None: free text).
+        self.constraint: Constraint | None = params.grammar.start() if params.grammar is not None else None
+        self.last_choice = ""  # what the last step verified (StepEnd.choice)
 
     # -- phases -------------------------------------------------------------
 
@@ -87,13 +94,15 @@ class Run:
 
     # -- what the generation may draw from ---------------------------------
 
-    def logits(self, seq: KvSequence, row: int | None = None, path: Sequence[int] | None = ()) -> np.ndarray:
+    def logits(self, seq: KvSequence, row: int | None = None, path: Sequence[int] | None = (),
+               drafter: bool = False) -> np.ndarray:
         """The logits of batch row `row` of `seq` (the target's or the draft's; default: its last token's) as this
         generation may draw from them: the tokens it never emits at -inf (end-of-generation tokens with
         `ignore_eos`).
 
         `path` is what the row follows past the committed output (a chain's drafts before it, a tree node's
-        ancestors); None for a row on no output path (lookahead's window of guesses). Every strategy reads
+        ancestors); None for a row on no output path (lookahead's window of guesses). `drafter`: the row is
+        a drafter's (unmasked when `GenParams.mask_drafts` is off). Every strategy reads
         logits here, for the target and for its drafter alike, so verification compares like with like
         and the output follows the restricted distribution exactly. The row is changed in place (its
         logits are a view of llama.cpp's, valid until the next decode; masking twice changes nothing).
@@ -101,33 +110,62 @@ class Run:
         logits = seq.logits(row)
         if self._banned is not None:
             logits[self._banned] = -np.inf
+        if self.constraint is not None and path is not None and (self.params.mask_drafts or not drafter):
+            self.constraint.apply(logits, path)
         return logits
+
+    def valid_prefix(self, proposal: Sequence[int]) -> list[int]:
+        """The part of a proposal (lookup's, lookahead's) the grammar admits after the output: the rest would
+        cost batch rows that are never accepted."""
+        if self.constraint is None or not proposal or not self.params.mask_drafts:
+            return list(proposal)
+        return list(proposal[: self.constraint.valid_prefix(proposal)])
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (a draft of near certainty), within what may still be generated."""
+        if self.constraint is None or self.reason is not None:
+            return []
+        return self.constraint.forced(self.room() - 1)
 
     # -- tokens of one step -------------------------------------------------
 
-    def commit(self, token: int, kind: str, correction: bool = False, source: Source = "target") -> Token | None:
-        """Add a verified token to the output. Returns its event, or None for an end-of-generation token."""
+    def commit(self, token: int, kind: str, correction: bool = False, source: Source = "target",
+               logits: np.ndarray | None = None) -> Token | None:
+        """Add a verified token to the output. Returns its event, or None for an end-of-generation token.
+
+        `logits`: the (masked) target logits the token was drawn or verified at, for its log-probability.
+        """
         if self.model.is_eog(token):
             self.reason = "eos"
             return None
         if kind == TARGET:
             source = "target"
+        if self.constraint is not None:
+            self.constraint.commit(token)
+        logprob, top = None, ()
+        if self.params.logprobs is not None and logits is not None:
+            logprob, top = log_probabilities(logits, token, self.params.logprobs)
         self.output.append(token)
         self.context.append(token)
         self.by_source[source] = self.by_source.get(source, 0) + 1
         text = self._stream.push(token)
         if self._stream.stopped:
             self.reason = "stop"
+        elif self.constraint is not None and self.constraint.done:
+            self.reason = "stop"  # the grammar is complete: only the end could follow
         elif len(self.output) >= self.params.max_tokens or len(self.context) > self.n_ctx:
             self.reason = "length"
-        return Token(token, text, kind, correction, source)  # type: ignore[arg-type]
+        return Token(token, text, kind, correction, source, logprob, top)  # type: ignore[arg-type]
 
     def commit_step(self, proposals: Sequence[int], n_accepted: int, next_token: int,
-                    source: Source = "draft") -> list[Token]:
-        """Events of a verified chain: accepted proposals, the first refused one, then the target's token."""
+                    source: Source = "draft", logits_at: Callable[[int], np.ndarray] | None = None) -> list[Token]:
+        """Events of a verified chain: accepted proposals, the first refused one, then the target's token.
+
+        `logits_at(i)`: the target's logits at the chain's i-th place (for log-probabilities)."""
         events: list[Token] = []
-        for tok in proposals[:n_accepted]:
-            ev = self.commit(tok, ACCEPTED, source=source)
+        want = self.params.logprobs is not None and logits_at is not None
+        for i, tok in enumerate(proposals[:n_accepted]):
+            ev = self.commit(tok, ACCEPTED, source=source, logits=logits_at(i) if want else None)  # type: ignore[misc]
             if ev is not None:
                 events.append(ev)
             if self.reason is not None:
@@ -135,7 +173,8 @@ class Run:
         rejected = n_accepted < len(proposals)
         if rejected:
             events.append(self.rejected(proposals[n_accepted], source))
-        ev = self.commit(next_token, TARGET, correction=rejected)
+        ev = self.commit(next_token, TARGET, correction=rejected,
+                         logits=logits_at(n_accepted) if want else None)  # type: ignore[misc]
         if ev is not None:
             events.append(ev)
         return events
@@ -145,6 +184,7 @@ class Run:
 
     def end_step(self, drafted: int, accepted: int, choice: str, why: str = "") -> StepEnd:
         self.forwards += 1
+        self.last_choice = choice
         self.by_choice[choice] = self.by_choice.get(choice, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
@@ -160,6 +200,8 @@ class Run:
     # -- the end ------------------------------------------------------------
 
     def stats(self) -> GenStats:
+        if self.constraint is not None:  # what the grammar cost: masks, look-aheads, forced tokens
+            self.extra.update(grammar_seconds=round(self.constraint.seconds, 6), grammar_masks=self.constraint.masks)
         return GenStats(
             strategy=self.strategy,
             prompt_tokens=self.n_prompt,

@@ -10,8 +10,12 @@ Temperature 0 means greedy decoding: argmax of the raw logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from backends.grammar import Grammar
 
 # Logits further than this below the maximum have a probability under e^-30
 # relative to the top token (their total mass is < 1e-7 even over a 262k vocab).
@@ -33,6 +37,14 @@ class GenParams:
     # Never end at an end-of-generation token (llama.cpp's --ignore-eos): they are removed from every
     # distribution drawn from, so a benchmark gets exactly max_tokens tokens of each request.
     ignore_eos: bool = False
+    # Log-probabilities of the output tokens (Token.logprob) and of this many likeliest tokens at each place;
+    # None: none computed.
+    logprobs: int | None = None
+    # What the output must follow (backends.grammar): None for free text.
+    grammar: Grammar | None = None
+    # Drafters propose under the grammar too (the default). False, a measurement knob (`bench --unmasked-drafts`):
+    # they propose freely and only the target is masked, as llama.cpp does; still lossless, fewer accepted.
+    mask_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,6 +57,8 @@ class GenParams:
             raise ValueError("top_p must be in (0, 1]")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError("min_p must be in [0, 1)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +156,18 @@ def sample_logits(logits: np.ndarray, params: GenParams, rng: np.random.Generato
     cdf = np.cumsum(probs)
     j = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(ids[min(j, ids.size - 1)])
+
+
+def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """log softmax(logits) of `token`, and the `top` likeliest tokens with theirs, best first (float64)."""
+    peak = float(logits.max())
+    log_z = peak + float(np.log(np.exp((logits - peak).astype(np.float64)).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = _top_k_ids(logits, top) if top < logits.shape[0] else np.arange(logits.shape[0])
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        best = tuple((int(i), float(logits[i]) - log_z) for i in ids if np.isfinite(logits[i]))
+    return float(logits[token]) - log_z, best
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 # Measured device costs stay out of the user's data dir (and out of other tests): each engine measures its own.
 os.environ["SPECCHAT_COST_CACHE"] = ""
+# The speculation memory too: tests that need one give it a folder of their own.
+os.environ["SPECCHAT_SUFFIX_CACHE"] = ""
 
 from gguf_factory import TinyModel, spm_vocab, write_llama_gguf  # noqa: E402
 
@@ -33,6 +35,8 @@ class TinyFiles:
     other_vocab: Path  # incompatible vocabulary
     small_target: Path  # tiny vocabulary, peaky enough for chi-square tests
     small_draft: Path
+    json_target: Path  # a vocabulary that spells a space as SentencePiece models do: for grammars
+    json_draft: Path
 
 
 @pytest.fixture(scope="session")
@@ -47,12 +51,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyFiles:
         other_vocab=write_llama_gguf(d / "other.gguf", vocab=spm_vocab(OTHER_WORDS)),
         small_target=write_llama_gguf(d / "small_target.gguf", vocab=small_vocab, model=small_model),
         small_draft=write_llama_gguf(d / "small_draft.gguf", vocab=small_vocab, model=small_model, noise=0.5),
+        json_target=write_llama_gguf(d / "json_target.gguf", vocab=spm_vocab(space=True)),
+        json_draft=write_llama_gguf(d / "json_draft.gguf", vocab=spm_vocab(space=True), noise=0.3),
     )
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny: TinyFiles) -> Engine:
     engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1, n_seq_max=N_SEQ_MAX))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def json_engine(tiny: TinyFiles) -> Engine:
+    engine = Engine(EngineConfig(target=tiny.json_target, draft=tiny.json_draft, n_ctx=1024, threads=1,
+                                 n_seq_max=N_SEQ_MAX))
     yield engine
     engine.close()
 

@@ -31,8 +31,10 @@ class Vocab:
     types: tuple[int, ...]
 
 
-def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True) -> Vocab:
-    """<unk>, <s>, </s>, optionally the 256 byte tokens, then '▁word' and 'word' pieces."""
+def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True, space: bool = False) -> Vocab:
+    """<unk>, <s>, </s>, optionally the 256 byte tokens, then '▁word' and 'word' pieces; with `space`, a '▁'
+    token too, so that a space is spelt as SentencePiece models spell it (without it, llama.cpp's SentencePiece
+    tokenizer spells " " as the three bytes of '▁', which no grammar engine can read back as a space)."""
     tokens: list[str] = ["<unk>", "<s>", "</s>"]
     types = [_UNKNOWN, _CONTROL, _CONTROL]
     if with_bytes:
@@ -41,6 +43,9 @@ def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True) -> Vocab:
     else:
         tokens.append("<0x0A>")  # llama.cpp looks up the newline token when loading
         types.append(_BYTE)
+    if space:
+        tokens.append("\u2581")
+        types.append(_NORMAL)
     for w in words:
         for piece in (f"\u2581{w}", w):
             if piece not in tokens:

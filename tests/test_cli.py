@@ -188,3 +188,28 @@ def test_more_sequences_than_batch_rows_does_not_abort(tiny) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "16"
+
+
+def test_json_schema_and_grammar_file_shape_the_output(tiny, tmp_path) -> None:
+    """--json-schema (inline or a file) and --grammar-file (GBNF): the output follows them; --json's done line
+    carries the parsed value; a schema or grammar that does not compile is one line and exit 1."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "w": {"enum": ["cat", "dog"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for given in (json.dumps(schema), str(tmp_path / "s.json")):
+        r = _cli("run", "the cat", "-m", str(tiny.json_target), "-md", str(tiny.json_draft), "-s", "sps", "-n", "80",
+                 "--json-schema", given, "--json")
+        assert r.returncode == 0, r.stderr
+        done = json.loads(r.stdout.splitlines()[-1])
+        jsonschema.validate(done["parsed"], schema)
+        assert done["parsed"] == json.loads(done["text"]) and done["reason"] == "stop"
+    (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"\n')
+    r = _cli("run", "the cat", "-m", str(tiny.json_target), "-n", "10", "--grammar-file", str(tmp_path / "g.gbnf"))
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stderr
+    for bad in (["--json-schema", "{not json"], ["--grammar-file", str(tmp_path / "missing.gbnf")],
+                ["--json-schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}']):
+        r = _cli("run", "the cat", "-m", str(tiny.json_target), "-n", "10", *bad)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -316,9 +316,12 @@ def test_chat_content_parts_and_refused_roles(chat_server: Served) -> None:
     a, b = (client.chat.completions.create(model="chat", messages=m, max_tokens=8, temperature=0)
             for m in (parts, plain))
     assert a.choices[0].message.content == b.choices[0].message.content
-    for role in ("tool", ["user"], {"a": 1}):
+    for role in ("robot", ["user"], {"a": 1}):
         r = chat_server.post("/v1/chat/completions", {"messages": [{"role": role, "content": "x"}]}, api_key=None)
         assert_error(r, 400, param="messages[0].role")
+    # A tool's answer names the call it answers.
+    r = chat_server.post("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, api_key=None)
+    assert_error(r, 400, param="messages[0].tool_call_id")
     r = chat_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, api_key=None)
     assert_error(r, 400, param="messages[0].content")
@@ -348,7 +351,7 @@ def test_bad_requests_have_openai_error_shape(server: Served) -> None:
     cases = [
         ({"prompt": "hi", "n": 5}, "n"),  # more choices than the 4 slots decoding at once
         ({"prompt": "hi", "n": 0}, "n"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 6}, "logprobs"),
         ({"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
         ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),

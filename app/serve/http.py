@@ -9,7 +9,7 @@ import logging
 import socket
 import time
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import uvicorn
@@ -20,10 +20,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.settings import Settings
-from app.serve.request import MAX_BODY_BYTES, ApiError, Endpoint, bad, parse_request
+from app.serve.request import MAX_BODY_BYTES, ApiError, Endpoint, GenRequest, bad, parse_request
+from app.serve.tools import ToolStream, grammar_for
 from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
 from app.serve.worker import EngineWorker, Failed, Finished, Job
 from backends.events import Done, Token
+from backends.grammar import GrammarError, compile_grammar
+from models.errors import ModelError
 from backends.registry import STRATEGIES, strategy_label
 
 log = logging.getLogger("specchat.serve")
@@ -56,11 +59,14 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _outcome(job: Job) -> object:
-    """The job's Finished, Failed, or the Done of a choice that failed (a whole answer ignores the rest)."""
+async def _outcome(job: Job) -> tuple[object, list[list[Token]]]:
+    """The job's Finished, Failed, or the Done of a choice that failed; and each choice's tokens on the way (for
+    their log-probabilities)."""
+    tokens: list[list[Token]] = [[] for _ in range(job.request.n)]
     while not isinstance(event := await job.events.get(), (Finished, Done, Failed)):
-        pass
-    return event
+        if isinstance(event, tuple) and isinstance(event[1], Token):
+            tokens[event[0]].append(event[1])
+    return event, tokens
 
 
 async def _unless_gone(awaitable: Awaitable[object], job: Job, request: Request) -> object:
@@ -201,16 +207,17 @@ class Server:
         model = self._model(body)
         gen = parse_request(body, endpoint, self.config.defaults, self.n_ctx, self.has_draft, self.n_seq_max,
                             self.worker.parallel)
+        gen = await self._constrained(gen)
         job = Job(gen, asyncio.get_running_loop())
         self.worker.submit(job)
-        reply = Reply(gen, model)
+        reply = Reply(gen, model, self.worker.engine.target_model.piece, self.worker.tool_format)
         try:
             first = await _unless_gone(job.events.get(), job, request)  # Started, or Failed
             if isinstance(first, Failed):
                 return first.error.response()
             if gen.stream:
                 return _JobStream(self._stream(job, reply), job)
-            outcome = await _unless_gone(_outcome(job), job, request)
+            outcome, tokens = await _unless_gone(_outcome(job), job, request)  # type: ignore[misc]
         except _ClientGone:
             log.info("%s: the client went away", job.id)
             return Response(status_code=499)
@@ -219,25 +226,66 @@ class Server:
         if isinstance(outcome, Done):  # a choice failed or was cancelled
             return done_error(outcome).response()
         assert isinstance(outcome, Finished)
-        return done_response(outcome.dones, reply)
+        return done_response(outcome.dones, reply, tokens)
+
+    async def _constrained(self, gen: GenRequest) -> GenRequest:
+        """The request with its grammar compiled (from response_format / grammar / json_schema, or from its
+        tools): a grammar that does not compile is a 400 naming the field, never an answer that ignores it.
+        Compiling may take a while for a large schema: off the event loop."""
+        if gen.grammar is not None:
+            kind, source, param = gen.grammar.kind, gen.grammar.source, gen.grammar.param
+        elif gen.calls_tools and (spec := grammar_for(gen.tools, gen.tool_choice, self.worker.tool_format,
+                                                       gen.parallel_tool_calls)):
+            (kind, source), param = spec, "tools"
+        else:
+            return gen
+        model = self.worker.engine.target_model
+        try:
+            grammar = await asyncio.to_thread(
+                lambda: compile_grammar(kind, source, model.guidance_tokenizer, model.n_vocab))  # type: ignore[arg-type]
+        except (GrammarError, ModelError) as e:  # ModelError: a vocabulary grammars cannot run on
+            raise bad(str(e), param) from None
+        return replace(gen, params=replace(gen.params, grammar=grammar))
 
     async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[bytes]:
         """Each choice's tokens as they come (chunks carry the choice's index), its finish chunk when it ends,
         then the timings (and usage) and [DONE]; an error ends the stream with an error object."""
+        gen = reply.request
         if reply.chat:
-            for i in range(reply.request.n):
+            for i in range(gen.n):
                 yield sse(reply.chunk("", i, role=True))
+        tools = [ToolStream(reply.tool_format, gen.must_call) for _ in range(gen.n)] if gen.calls_tools else None
+        calls = [0] * gen.n  # tool calls sent, by choice
+        offsets = [0] * gen.n  # text sent, by choice (the completions API's logprobs text_offset)
         held: dict[str, object] | None = None  # the last finish chunk, sent with the timings once all end
         while True:
             event = await job.events.get()
             if isinstance(event, tuple):
                 index, item = event
                 if isinstance(item, Token):
-                    yield sse(reply.chunk(item.text, index))
+                    logprobs = reply.logprobs([item], offsets[index])
+                    offsets[index] += len(item.text)
+                    if tools is None:
+                        yield sse(reply.chunk(item.text, index, logprobs=logprobs))
+                        continue
+                    text, new = tools[index].push(item.text)
+                    if text or logprobs is not None:
+                        yield sse(reply.chunk(text, index, logprobs=logprobs))
+                    if new:
+                        yield sse(reply.chunk("", index, calls=list(enumerate(new, calls[index]))))
+                        calls[index] += len(new)
                 else:
                     if held is not None:
                         yield sse(held)
-                    held = reply.finish_chunk(index, item)
+                    text = None
+                    if tools is not None:
+                        text, new = tools[index].push(item.tail)  # what was held back for a stop string
+                        rest, more = tools[index].finish()
+                        text, new = text + rest, new + more
+                        if new:
+                            yield sse(reply.chunk("", index, calls=list(enumerate(new, calls[index]))))
+                            calls[index] += len(new)
+                    held = reply.finish_chunk(index, item, text, called=calls[index] > 0)
             elif isinstance(event, Failed):
                 yield sse(event.error.body())
                 return

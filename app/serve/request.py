@@ -8,13 +8,15 @@ silently ignored.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Mapping
 
 from starlette.responses import JSONResponse
 
-from app.chat_template import ChatMessage
+from app.chat_template import ChatMessage, ToolCall
+from app.serve.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from app.errors import describe, is_user_error
 from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
@@ -145,16 +147,14 @@ def refuse_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     """Fields whose meaning this server cannot honour: a clear 400 rather than an answer that ignores them."""
     if body.get("best_of") not in (None, 1):
         raise _refuse("best_of", "one completion per request")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _refuse("logprobs", "log probabilities are not returned")
-    for name in ("tools", "functions"):
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise _refuse(name, "tool calling is not implemented")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _refuse("tool_choice", "tool calling is not implemented")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise _refuse("response_format", "only {'type': 'text'} (no JSON mode or schemas)")
+            raise _refuse(name, "OpenAI's deprecated functions API; send 'tools' and 'tool_choice'")
+    if endpoint == "text" and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise bad("tools belong to /v1/chat/completions", "tools")
+    if endpoint == "text" and body.get("response_format") not in (None, {"type": "text"}):
+        raise _refuse("response_format", "it belongs to /v1/chat/completions; a completion takes llama-server's "
+                                         "'json_schema' or 'grammar'")
     for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
         default = 1.0 if name == "repeat_penalty" else 0.0
         if _number(body, name, default) != default:
@@ -174,6 +174,73 @@ def refuse_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
         raise bad("'messages' belongs to /v1/chat/completions; /v1/completions takes 'prompt'", "messages")
     if endpoint == "chat" and "prompt" in body:
         raise bad("'prompt' belongs to /v1/completions; /v1/chat/completions takes 'messages'", "prompt")
+
+
+# -- structured output and log-probabilities ---------------------------------------
+
+
+@dataclass(frozen=True)
+class GrammarRequest:
+    """What a request's output must follow, before it is compiled (backends.grammar): the kind, the source,
+    and the request field it came from (named in a 400 when it does not compile)."""
+
+    kind: str
+    source: object
+    param: str
+
+
+def grammar_request(body: Mapping[str, Any]) -> GrammarRequest | None:
+    """OpenAI's `response_format` (json_object, json_schema) or llama-server's `grammar` (GBNF) and
+    `json_schema`; one of them at most."""
+    given = [name for name in ("response_format", "grammar", "json_schema") if body.get(name) is not None]
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema")):
+        raise bad("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+                  "'json_schema': {'name': ..., 'schema': {...}}}", "response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad(f"{' and '.join(repr(g) for g in given)} both constrain the output; send one", given[1])
+    if not given:
+        return None
+    if given[0] == "grammar":
+        if not isinstance(body["grammar"], str) or not body["grammar"].strip():
+            raise bad("'grammar' must be a GBNF grammar (a string)", "grammar")
+        return GrammarRequest("gbnf", body["grammar"], "grammar")
+    if given[0] == "json_schema":
+        if not isinstance(body["json_schema"], dict):
+            raise bad("'json_schema' must be a JSON schema object", "json_schema")
+        return GrammarRequest("json_schema", body["json_schema"], "json_schema")
+    assert isinstance(rf, dict)
+    if rf["type"] == "json_object":
+        return GrammarRequest("json_object", "", "response_format")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("'response_format.json_schema' must be {'name': ..., 'schema': {...}, 'strict': ...}",
+                  "response_format.json_schema")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise bad("'response_format.json_schema.name' must be a string", "response_format.json_schema.name")
+    return GrammarRequest("json_schema", spec.get("schema", {}), "response_format.json_schema.schema")
+
+
+def logprobs_count(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
+    """How many likeliest tokens to list at each place (0: only the chosen one's), or None: no log-probabilities.
+    Chat: `logprobs` true and `top_logprobs` 0-20; completions: `logprobs` 0-5 (OpenAI's legacy field)."""
+    value = body.get("logprobs")
+    if endpoint == "chat":
+        top = _integer(body, "top_logprobs", None)
+        if value not in (None, True, False):
+            raise bad("'logprobs' must be true or false", "logprobs")
+        if top is not None and not 0 <= top <= 20:
+            raise bad("'top_logprobs' must be between 0 and 20", "top_logprobs")
+        if top and not value:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
+        raise bad("'logprobs' must be an integer between 0 and 5", "logprobs")
+    return value
 
 
 # -- per-request speculation ------------------------------------------------
@@ -216,6 +283,9 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
     """The strategy and its settings for one request, over the server's defaults (the CLI flags)."""
     spec = _speculative_fields(body)
     strategy = spec.pop("strategy", None)
+    remember = spec.pop("suffix_cache", True)
+    if not isinstance(remember, bool):
+        raise bad("'speculative.suffix_cache' must be true or false", "speculative.suffix_cache")
     n_max = spec.pop("n_max", None)
     n_min = spec.pop("n_min", None)
     p_min = spec.pop("p_min", None)
@@ -244,10 +314,12 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
         names = {f.name for f in fields(section)} if section is not None else set()
         unknown = sorted(set(spec) - names)
         if unknown:
-            allowed = ", ".join(["strategy", *_LLAMA_SERVER_KEYS, *sorted(names)])
+            allowed = ", ".join(["strategy", "suffix_cache", *_LLAMA_SERVER_KEYS, *sorted(names)])
             raise bad(f"unknown setting {unknown[0]!r} for strategy {strategy!r}; allowed: {allowed}",
                        f"speculative.{unknown[0]}")
         changes.update({f"{strategy}.{name}": _typed(section, name, value) for name, value in spec.items()})
+    if not remember:  # this request neither consults nor updates the speculation memory
+        changes["suffix_cache"] = False
     try:
         options = with_paths(options, changes)  # dataclasses.replace: each config's __post_init__ checks it
     except ValueError as e:
@@ -272,14 +344,14 @@ def _check_n_min(n_min: Any, n_max: int | None) -> None:
 
 # -- prompts --------------------------------------------------------------------
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _content(message: Mapping[str, Any], i: int) -> str:
     """A message's text: a string, or OpenAI's list of content parts of type text."""
     content = message.get("content")
     if content is None and message.get("role") == "assistant":
-        return ""
+        return ""  # an assistant message with only tool calls
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -302,9 +374,35 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = _ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
         if role is None:
-            raise bad(f"messages[{i}].role {m.get('role')!r} is not supported (system, developer, user, assistant)",
-                       f"messages[{i}].role")
-        out.append(ChatMessage(role, _content(m, i)))  # type: ignore[arg-type]
+            raise bad(f"messages[{i}].role {m.get('role')!r} is not supported (system, developer, user, assistant, "
+                      f"tool)", f"messages[{i}].role")
+        calls = _tool_calls(m, i) if role == "assistant" else ()
+        call_id = m.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise bad(f"messages[{i}]: a tool message needs its 'tool_call_id'", f"messages[{i}].tool_call_id")
+        name = m.get("name") if isinstance(m.get("name"), str) else None
+        if role == "tool" and name is None:  # the call it answers names the function
+            name = next((c.name for earlier in out for c in earlier.tool_calls if c.id == call_id), None)
+        out.append(ChatMessage(role, _content(m, i), calls, call_id if role == "tool" else None,  # type: ignore[arg-type]
+                               name if role == "tool" else None))
+    return tuple(out)
+
+
+def _tool_calls(message: Mapping[str, Any], i: int) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls`, as OpenAI sends them back in the conversation."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise bad(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+                      f"{{'name', 'arguments'}}}}", f"messages[{i}].tool_calls[{j}]")
+        arguments = fn.get("arguments", "{}")
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        out.append(ToolCall(str(c.get("id") or f"call_{i}_{j}"), fn["name"], text))
     return tuple(out)
 
 
@@ -336,6 +434,18 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: sequences of the same batch, sharing the prompt's cells
+    grammar: GrammarRequest | None = None  # compiled into params.grammar before the worker sees it
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = "none"
+    parallel_tool_calls: bool = False  # asked for explicitly: several calls in one answer
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def must_call(self) -> bool:
+        return self.calls_tools and self.tool_choice != "auto"
 
 
 def _choices(body: Mapping[str, Any], parallel: int) -> int:
@@ -360,9 +470,22 @@ def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Setting
     if not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     strategy, options = speculation(body, defaults, has_draft, n_seq_max)
+    try:
+        tools = parse_tools(body)
+        tool_choice = parse_tool_choice(body, tools)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+    grammar = grammar_request(body)
+    if grammar is not None and tools and tool_choice != "none":
+        raise bad(f"'{grammar.param.split('.')[0]}' and 'tools' both shape the answer; this server takes one of "
+                  f"them per request", grammar.param.split(".")[0])
+    params = sampling_params(body, defaults.params, n_ctx)
+    logprobs = logprobs_count(body, endpoint)
+    if logprobs is not None:
+        params = replace(params, logprobs=logprobs)
     return GenRequest(
-        endpoint=endpoint, strategy=strategy, options=options,
-        params=sampling_params(body, defaults.params, n_ctx),
+        endpoint=endpoint, strategy=strategy, options=options, params=params, grammar=grammar,
+        tools=tools, tool_choice=tool_choice, parallel_tool_calls=_flag(body, "parallel_tool_calls", False),
         messages=chat_messages(body) if endpoint == "chat" else (),
         prompt=completion_prompt(body) if endpoint == "text" else "",
         stream=stream, include_usage=bool(stream_options.get("include_usage")), n=n,

@@ -6,11 +6,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from starlette.responses import JSONResponse, Response
 
+from app.chat_template import ToolCall
 from app.serve.request import ApiError, GenRequest
-from backends.events import Done, GenStats
+from app.serve.tools import ToolFormat, parse_answer
+from backends.events import Done, GenStats, Token
 from backends.registry import strategy_label
 
 
@@ -57,12 +60,23 @@ def timings(stats: GenStats, label: str) -> dict[str, object]:
     }
 
 
+def _piece(piece: Callable[[int], bytes], token: int) -> tuple[str, list[int]]:
+    raw = piece(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
 @dataclass(frozen=True)
 class Reply:
-    """The fixed parts of one response's objects, chunks included (OpenAI's shapes), for its `n` choices."""
+    """The fixed parts of one response's objects, chunks included (OpenAI's shapes), for its `n` choices.
+
+    `piece` renders a token id (log-probabilities list tokens by their text and bytes); `tool_format` is how
+    the model calls tools (app.serve.tools), used when the request offers them.
+    """
 
     request: GenRequest
     model: str
+    piece: Callable[[int], bytes] = lambda _t: b""
+    tool_format: ToolFormat = "generic"
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,14 +93,46 @@ class Reply:
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, delta: bool,
-                role: bool = False) -> dict[str, object]:
+    # -- log-probabilities ---------------------------------------------------
+
+    def logprobs(self, tokens: Sequence[Token], offset: int = 0) -> dict[str, object] | None:
+        """OpenAI's logprobs of these output tokens: chat's `{"content": [...]}`, or the completions API's
+        legacy `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (offsets from `offset`)."""
+        if self.request.params.logprobs is None:
+            return None
+        if self.chat:
+            content = []
+            for t in tokens:
+                text, raw = _piece(self.piece, t.id)
+                content.append({"token": text, "logprob": t.logprob, "bytes": raw, "top_logprobs": [
+                    {"token": (p := _piece(self.piece, i))[0], "logprob": lp, "bytes": p[1]}
+                    for i, lp in t.top_logprobs]})
+            return {"content": content}
+        texts = [_piece(self.piece, t.id)[0] for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{_piece(self.piece, i)[0]: lp for i, lp in t.top_logprobs} for t in tokens],
+                "text_offset": offsets}
+
+    # -- choices -----------------------------------------------------------
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool, role: bool = False,
+                logprobs: dict[str, object] | None = None,
+                calls: Sequence[tuple[int, ToolCall]] = ()) -> dict[str, object]:
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         body: dict[str, object] = {"role": "assistant"} if role or not delta else {}
-        if text or not delta or role:
-            body["content"] = text
-        return {"index": index, ("delta" if delta else "message"): body, "logprobs": None,
+        if text or (not delta and not calls) or role:
+            body["content"] = text or ""
+        elif not delta:
+            body["content"] = None  # only tool calls
+        if calls:
+            body["tool_calls"] = [{**({"index": k} if delta else {}), "id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}} for k, c in calls]
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     def _extras(self, dones: tuple[Done, ...]) -> dict[str, object]:
@@ -95,19 +141,30 @@ class Reply:
         each = [timings(d.stats, label) for d in dones]
         return {"usage": usage(tuple(d.stats for d in dones)), "timings": each[0] if len(each) == 1 else each}
 
-    def whole(self, dones: tuple[Done, ...]) -> dict[str, object]:
+    def whole(self, dones: tuple[Done, ...], tokens: Sequence[Sequence[Token]] = ()) -> dict[str, object]:
+        """The whole answer: each choice's text (or, when it called tools, its calls) and log-probabilities."""
         kind = "chat.completion" if self.chat else "text_completion"
-        choices = [self._choice(i, d.text, FINISH_REASONS.get(d.reason, "stop"), delta=False)
-                   for i, d in enumerate(dones)]
+        choices = []
+        for i, d in enumerate(dones):
+            text, calls = d.text, []
+            if self.request.calls_tools:
+                text, calls = parse_answer(d.text, self.tool_format)
+            finish = "tool_calls" if calls else FINISH_REASONS.get(d.reason, "stop")
+            choices.append(self._choice(i, text, finish, delta=False,
+                                        logprobs=self.logprobs(tokens[i] if i < len(tokens) else ()),
+                                        calls=list(enumerate(calls))))
         return {**self._object(kind, choices), **self._extras(dones)}
 
-    def chunk(self, text: str, index: int = 0, role: bool = False) -> dict[str, object]:
-        return self._object(self._chunk_kind, [self._choice(index, text, None, delta=True, role=role)])
+    def chunk(self, text: str, index: int = 0, role: bool = False, logprobs: dict[str, object] | None = None,
+              calls: Sequence[tuple[int, ToolCall]] = ()) -> dict[str, object]:
+        return self._object(self._chunk_kind, [self._choice(index, text, None, delta=True, role=role,
+                                                            logprobs=logprobs, calls=calls)])
 
-    def finish_chunk(self, index: int, done: Done) -> dict[str, object]:
+    def finish_chunk(self, index: int, done: Done, text: str | None = None, called: bool = False) -> dict[str, object]:
         """A choice's last chunk: its finish reason (and any text held back for a stop string)."""
+        finish = "tool_calls" if called else FINISH_REASONS.get(done.reason, "stop")
         return self._object(self._chunk_kind,
-                            [self._choice(index, done.tail, FINISH_REASONS.get(done.reason, "stop"), delta=True)])
+                            [self._choice(index, done.tail if text is None else text, finish, delta=True)])
 
     def closing_chunks(self, last: dict[str, object], dones: tuple[Done, ...]) -> list[dict[str, object]]:
         """The stream's end, after every choice's finish chunk (`last` is the last of them): the timings on it,
@@ -131,5 +188,5 @@ def done_error(done: Done) -> ApiError:
     return ApiError(500, f"the generation failed: {done.error or 'unknown error'}", code="generation_failed")
 
 
-def done_response(dones: tuple[Done, ...], reply: Reply) -> Response:
-    return JSONResponse(reply.whole(dones))
+def done_response(dones: tuple[Done, ...], reply: Reply, tokens: Sequence[Sequence[Token]] = ()) -> Response:
+    return JSONResponse(reply.whole(dones, tokens))

@@ -16,6 +16,7 @@ from app.errors import describe, is_user_error
 from app.prompt_format import PromptFormat
 from app.serve.request import MAX_QUEUED, ApiError, GenRequest, from_exception
 from app.serve.responses import done_error
+from app.serve.tools import prompt_messages, tool_format
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
 from backends.batch import SlotPool
@@ -113,6 +114,7 @@ class EngineWorker:
     def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED) -> None:
         self.engine = engine
         self.format = PromptFormat(engine)
+        self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
         self.pool = SlotPool(engine)
         self.parallel = self.pool.size
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -202,7 +204,8 @@ class EngineWorker:
 
     def _tokens(self, request: GenRequest) -> list[int]:
         if request.endpoint == "chat":
-            return self.format.tokens(request.messages)
+            messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
+            return self.format.tokens(messages, tools=tools)
         if isinstance(request.prompt, tuple):
             n_vocab = self.engine.target_model.n_vocab
             if any(not 0 <= t < n_vocab for t in request.prompt):

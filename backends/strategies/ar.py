@@ -29,7 +29,7 @@ class Autoregressive(StepMachine):
             yield from self.target.extending([run.pending])
             logits = run.logits(self.target)
             tok = sample_logits(logits, params, run.rng)
-            ev = run.commit(tok, TARGET)
+            ev = run.commit(tok, TARGET, logits=logits)
             if ev is not None:
                 yield ev
             yield run.end_step(0, 0, "plain")

@@ -95,11 +95,14 @@ from backends.sampling import GenParams, argmax, probabilities, sample, top_prob
 from backends.scheduler import Steps
 from backends.slot import Slot
 from backends.strategies.base import StepMachine, drive, never
-from backends.strategies.chain import chain_step
+from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
 
-PLAIN, DRAFT, LOOKUP, LOOKAHEAD = "plain", "draft", "lookup", "lookahead"
+PLAIN, DRAFT, LOOKUP, LOOKAHEAD, MEMORY = "plain", "draft", "lookup", "lookahead", "memory"
+# The speculation memory's proposals are learnt by the share of earlier occurrences that went their way, in
+# this many bins (backends.suffix: a continuation every earlier occurrence took is likelier than a split one).
+SHARE_BINS = 5
 CONFIDENCE_BINS = 10
 MAX_POSITION = 12
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
@@ -246,6 +249,26 @@ def lookup_acceptance(first: float = 0.15, longest: float = 0.6) -> Acceptance:
     return acc
 
 
+def memory_key(match: int, share: float, position: int) -> tuple[int, int, int]:
+    """The estimate a proposal of the speculation memory is learnt under: match length bin, share bin, position."""
+    return (max(b for b in MATCH_BINS if b <= max(match, 1)), min(int(share * SHARE_BINS), SHARE_BINS - 1),
+            min(position, LOOKUP_POSITIONS))
+
+
+def memory_acceptance() -> Acceptance:
+    """The memory's acceptance by (match, share, position): the first position's prior is the share itself (as
+    often as earlier text went this way), halved after a one-token match; later positions borrow the one
+    before them, as lookup's do."""
+    def prior(key: object) -> float:
+        match, share, position = key  # type: ignore[misc]
+        if position == 0:
+            return min((share + 0.5) / SHARE_BINS * (0.5 if match <= 1 else 1.0), 0.95)
+        return acc.p((match, share, position - 1))
+
+    acc = Acceptance(prior)
+    return acc
+
+
 def sampling_mode(params: GenParams) -> str:
     """Which of an engine's learnt states a generation uses: "greedy" or "sampled". Acceptance differs most
     between them (on the Gemma pair the draft pays 1.9x greedy and loses at 0.8), so each learns its own:
@@ -265,6 +288,8 @@ class AutoState:
     draft_by_pos: Acceptance = field(default_factory=lambda: Acceptance(lambda _k: 0.5))
     # Lookup: by (match length, position).
     lookup: Acceptance = field(default_factory=lambda: lookup_acceptance())
+    # The speculation memory: by (match length, share of earlier occurrences, position).
+    memory: Acceptance = field(default_factory=lambda: memory_acceptance())
     # What a lookahead step and a draft step (drafting with its stopping rule, then verifying) really
     # yield, and cost in plain steps: measured against the plain step's time of the moment, so that a
     # busy machine, which slows every kind of step alike, does not tilt the comparison.
@@ -494,6 +519,8 @@ class _Generation:
         self.params = params
         self.prompt = prompt
         self.index = NgramIndex(options.lookup.ngram_min, options.lookup.ngram_max) if options.auto.lookup else None
+        self.memory = slot.memory() if options.suffix_cache and options.auto.memory else None
+        self.memory_keys: list[tuple[int, int, int]] = []
         la = options.lookahead
         self.window: LookaheadWindow | None = None
         if options.auto.lookahead and self.target.n_seq_max >= la.n_seq_max \
@@ -629,13 +656,21 @@ class _Generation:
         return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options,
                                 st.taken.get(option, 0), st.backoff.get(option, 0))
 
-    def decide(self, lookup: list[int], match: int) -> Choice:
+    def decide(self, lookup: list[int], match: int, memory: tuple[list[int], list[float], int] = ([], [], 0)
+               ) -> Choice:
         st, run = self.state, self.run
         room = run.room() - 1
         t_plain = st.t_plain.get(self.t1 or 1.0)
         rate = self.rate()
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
+        chain, shares, mem_match = memory
+        if chain and room > 0:
+            self.memory_keys = [memory_key(mem_match, s, i) for i, s in enumerate(shares[:room])]
+            accept = [st.memory.p(key) for key in self.memory_keys]
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative)
+            options.append(Choice(MEMORY, max(k, 1), tokens, seconds) if k else
+                           self._chain_of_one(MEMORY, accept[0], t_plain, 0.0))
         if lookup and room > 0:
             self.lookup_keys = [lookup_key(match, i) for i in range(len(lookup[:room]))]
             self.lookup_accept = [st.lookup.p(key) for key in self.lookup_keys]
@@ -777,7 +812,7 @@ class _Generation:
         decodes = 1
         reach = 1.0
         for i in range(k_max):
-            logits = self.run.logits(draft, path=tokens)
+            logits = self.run.logits(draft, path=tokens, drafter=True)
             # The confidence is the draft's top probability (of its tempered distribution when sampling),
             # as for sps and llama.cpp's --draft-p-min: the sampled token's own probability would call a
             # draft unsure wherever its distribution is flat, though a flat draft that matches a flat
@@ -836,15 +871,27 @@ class _Generation:
 
     def step(self) -> Iterator[object]:
         run, st = self.run, self.state
+        forced = yield from forced_step(run, self.target)  # acceptance ~1, no drafter: always worth a row each
+        if forced:
+            self.batch_tokens += forced + 1
+            self.own_rows = forced + 1
+            return
         t0 = time.perf_counter()
         lookup, match = ([], 0)
         if self.index is not None:
             lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
                                                           MATCH_EXTEND)
-        choice = self.decide(lookup, match)
+            lookup = run.valid_prefix(lookup)
+        memory: tuple[list[int], list[float], int] = ([], [], 0)
+        if self.memory is not None:
+            tree = self.memory.continuations(run.context, min(self.cfg.draft_max, run.room() - 1), 64)
+            chain, shares = tree.best_chain(self.cfg.draft_max)
+            chain = run.valid_prefix(chain)
+            memory = (chain, shares[:len(chain)], tree.match)
+        choice = self.decide(lookup, match, memory)
         self.decide_seconds += time.perf_counter() - t0
         self.explored += choice.explore
-        for option in (DRAFT, LOOKUP, LOOKAHEAD):
+        for option in (DRAFT, LOOKUP, LOOKAHEAD, MEMORY):
             st.since[option] = 0 if option == choice.option else st.since.get(option, 0) + 1
         if choice.explore:
             if st.taken.get(choice.option, 0) >= EARLY_TRIES:
@@ -857,6 +904,11 @@ class _Generation:
             yield from self._lookahead_step(choice)
         elif choice.option == DRAFT:
             yield from self._draft_step(choice)
+        elif choice.option == MEMORY:
+            proposed = memory[0][:choice.length]
+            yield from self._chain(proposed, None, MEMORY, choice, self.memory_keys[:choice.length])
+            assert self.memory is not None
+            self.memory.record(len(proposed), min(len(run.output) - before - 1, len(proposed)))
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
                                    self.lookup_keys[:choice.length])
@@ -874,7 +926,8 @@ class _Generation:
         st, run = self.state, self.run
         t0 = time.perf_counter()
         verdict = yield from chain_step(run, self.target, drafts, dists, "draft" if source == DRAFT else
-                                        "lookup" if source == LOOKUP else "target", choice.why)
+                                        "lookup" if source == LOOKUP else "memory" if source == MEMORY else
+                                        "target", choice.why)
         seconds = time.perf_counter() - t0
         self.batch_tokens += len(drafts) + 1
         self.own_rows = len(drafts) + 1
@@ -892,6 +945,8 @@ class _Generation:
             accepted = i < verdict.n_accepted
             if source == LOOKUP:
                 st.lookup.update(keys[i], accepted)
+            elif source == MEMORY:
+                st.memory.update(keys[i], accepted)
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)

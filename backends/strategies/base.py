@@ -15,13 +15,17 @@ and the clean ending: a llama.cpp failure mid-generation ends the stream with
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Iterable, Iterator, Protocol, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError, DecodeError
-from backends.events import Event
+from backends.events import Done, Event
+from backends.grammar import GrammarError
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.scheduler import Steps, run_solo
+
+if TYPE_CHECKING:
+    from backends.suffix import SuffixStore
 
 
 def never() -> bool:
@@ -54,7 +58,7 @@ class StepMachine:
         return run_solo(self.steps(prompt, params, should_stop))
 
 
-RUNTIME_ERRORS = (DecodeError, CacheRollbackError, ContextFullError)
+RUNTIME_ERRORS = (DecodeError, CacheRollbackError, ContextFullError, GrammarError)
 
 
 def drive(
@@ -79,3 +83,47 @@ def drive(
     if on_done is not None:
         on_done()
     yield done
+
+
+# What of the prompt a remembered generation keeps before its output: enough to find it again by its context.
+PROMPT_KEPT = 48
+
+
+class Remembering:
+    """A strategy whose finished generations go into the speculation memory (backends.suffix): the end of the
+    prompt and the output, once it ended well (not an error or a cancel). Everything else is the strategy's."""
+
+    def __init__(self, inner: Strategy, memory: "SuffixStore") -> None:
+        self.inner = inner
+        self.memory = memory
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
+        return self._remembered(self.inner.steps(prompt, params, should_stop), list(prompt[-PROMPT_KEPT:]))
+
+    def generate(self, prompt: Sequence[int], params: GenParams,
+                 should_stop: Callable[[], bool] = never) -> Iterator[Event]:
+        return run_solo(self.steps(prompt, params, should_stop))
+
+    def _remembered(self, inner: Steps, head: list[int]) -> Steps:
+        sent: object = None
+        thrown: BaseException | None = None
+        try:
+            while True:
+                try:
+                    item = inner.throw(thrown) if thrown is not None else inner.send(sent)  # type: ignore[arg-type]
+                except StopIteration:
+                    return
+                sent, thrown = None, None
+                if isinstance(item, Done) and item.reason in ("eos", "length", "stop") and item.tokens:
+                    self.memory.add(head + list(item.tokens))
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a decode error thrown in by the driver: passed on
+                    thrown = e
+        finally:
+            inner.close()

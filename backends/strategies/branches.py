@@ -1,7 +1,8 @@
 """Verifying several candidates at one position, and keeping the winning branch.
 
 Shared by the strategies that verify many branches in one batch, each under
-its own sequence id (`lookahead`'s n-grams, `tree`'s paths). At each position
+its own sequence id (`lookahead`'s n-grams, `tree`'s and `suffix`'s token
+trees: `verify_tree`). At each position
 the target picks its token among the branches' candidates (greedy: argmax;
 sampling: SpecInfer's one-hot multi-candidate rule, backends.verify); after the
 walk the caller keeps the accepted branch's cells as sequence 0 and drops the
@@ -10,11 +11,13 @@ others (backends.kv.KvSequence.keep_branch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Generator, Sequence
 
 import numpy as np
 
 from backends.events import ACCEPTED, TARGET, Event, Source
+from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
 from backends.verify import choose_among_candidates
@@ -35,7 +38,58 @@ def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
     if offered and not matched:
         yield run.rejected(offered[0], source)
     ev = run.commit(token, ACCEPTED if matched else TARGET, correction=bool(offered) and not matched,
-                    source=source)
+                    source=source, logits=logits)
     if ev is not None:
         yield ev
     return token, matched, ev is not None and matched
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    nodes: int  # verified (batch rows past the pending token)
+    leaves: int  # root-to-leaf paths, one sequence id each
+    depth: int
+    matched: int  # nodes accepted along the path the target took
+    accepted: int  # of which emitted as accepted drafts (a grammar's or a stop's end may cut the rest)
+
+
+def verify_tree(run: Run, target: KvSequence, tokens: Sequence[int], parents: Sequence[int], source: Source,
+                choice: str, why: str = "") -> Generator[Event | Decode, list[int], TreeVerdict]:
+    """SpecInfer's tree verification in one target batch: every root-to-leaf path under its own sequence id
+    (a node belongs to the ids of all paths through it), then the target walks the tree from the root
+    (greedy: the child equal to its argmax; sampling: the one-hot multi-candidate rule, `pick_among`), and
+    the accepted path's cells become sequence 0. Nodes come parents first (`parents[i]` < i, -1: the root)."""
+    n_past = len(run.context) - 1
+    children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # index 0 = the root
+    depth = [0] * len(tokens)
+    for i, p in enumerate(parents):
+        children[p + 1].append(i)
+        depth[i] = depth[p] + 1 if p >= 0 else 1
+    leaves = [i for i in range(len(tokens)) if not children[i + 1]]
+    paths: list[set[int]] = [set() for _ in tokens]  # target sequence ids through each node
+    for leaf_no, leaf in enumerate(leaves, start=1):
+        i = leaf
+        while i >= 0:
+            paths[i].add(leaf_no)
+            i = parents[i]
+    target.share_with(len(leaves) + 1)
+    entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
+    entries += [(t, n_past + depth[i], sorted(paths[i]), True) for i, t in enumerate(tokens)]
+    all_rows = yield from target.decoding(entries)
+    rows = all_rows[1:]
+    cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
+    while True:
+        kids = children[cur + 1]
+        offered = [tokens[k] for k in kids]
+        token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, source)
+        n_accepted += counted
+        if run.reason is not None or not matched:
+            break
+        n_matched += 1
+        cur = next(k for k in kids if tokens[k] == token)
+        row = rows[cur]
+    # Sequences 1.. are shared anew at the next tree's start.
+    best_seq = min(paths[cur]) if n_matched else 0
+    target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
+    yield run.end_step(len(tokens), n_accepted, choice, why)
+    return TreeVerdict(len(tokens), len(leaves), max(depth, default=0), n_matched, n_accepted)

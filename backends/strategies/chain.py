@@ -26,8 +26,9 @@ from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verif
 
 def verify_chain(
     run: Run, target: KvSequence, drafts: Sequence[int], draft_dists: Sequence[np.ndarray] | None
-) -> Generator[Decode, list[int], Verdict]:
-    """Score the chain on the target and decide; `draft_dists` is None for deterministic proposals."""
+) -> Generator[Decode, list[int], tuple[Verdict, list[int]]]:
+    """Score the chain on the target and decide; `draft_dists` is None for deterministic proposals.
+    Returns the verdict and the chain's batch rows (row i: the target's logits after drafts[:i])."""
     n_cached = len(run.context)
     rows = yield from target.extending([run.pending, *drafts], logits="all")
     params = run.params
@@ -44,7 +45,7 @@ def verify_chain(
         )
     # The cache keeps the pending token and the accepted drafts.
     target.truncate(n_cached + verdict.n_accepted)
-    return verdict
+    return verdict, rows
 
 
 def chain_step(
@@ -52,7 +53,19 @@ def chain_step(
     source: Source = "draft", why: str = "",
 ) -> Generator[Event | Decode, list[int], Verdict]:
     """One forward pass over a chain proposed by `source`: its token events and its StepEnd. Returns the verdict."""
-    verdict = yield from verify_chain(run, target, drafts, draft_dists)
-    yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token, source)
+    verdict, rows = yield from verify_chain(run, target, drafts, draft_dists)
+    # The rows verification looked at (every committed place) are masked in place already: read them as they are
+    # (masking again would take the grammar's state, which each commit advances, twice past the drafts).
+    yield from run.commit_step(drafts, verdict.n_accepted, verdict.next_token, source, lambda i: target.logits(rows[i]))
     yield run.end_step(len(drafts), verdict.n_accepted, source if drafts else "plain", why)
     return verdict
+
+
+def forced_step(run: Run, target: KvSequence) -> Generator[Event | Decode, list[int], int]:
+    """Where the grammar forces the next bytes, verify their tokens as one chain (source "grammar"); how many
+    it proposed (0: the grammar leaves a choice, and the strategy's own step runs instead). Every speculative
+    strategy runs this first: these drafts cost no drafter and are nearly always accepted."""
+    forced = run.forced()
+    if forced:
+        yield from chain_step(run, target, forced, None, "grammar", "the grammar forces what comes next")
+    return len(forced)

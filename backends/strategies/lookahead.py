@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator, Sequence
 
+import numpy as np
+
 from backends.config import LookaheadConfig
 from backends.events import TARGET
 from backends.kv import Decode, KvSequence
@@ -33,7 +35,7 @@ from backends.sampling import GenParams, argmax, sample_logits
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import pick_among
-from backends.strategies.chain import chain_step
+from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.ngram_pool import NgramPool
 
 # lookahead.cpp fills the initial window with 100, 101, ... (any tokens work).
@@ -78,12 +80,16 @@ class LookaheadWindow:
         """Room in the context for a whole window after the committed text."""
         return len(run.context) + self.config.window + self.config.ngram <= run.n_ctx
 
-    def _decode_batch(self, token: int, n_past: int) -> Generator[Decode, list[int], _Batch]:
-        """Lay out and decode one lookahead batch; returns where each part landed."""
+    def _decode_batch(self, run: Run, n_past: int) -> Generator[Decode, list[int], _Batch]:
+        """Lay out and decode one lookahead batch; returns where each part landed. Under a grammar, the pool's
+        n-grams it refuses are left out (they would cost N-1 rows each and could never be accepted)."""
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         window = self.window
+        token = run.pending
         entries: list[tuple[int, int, Sequence[int], bool]] = [(token, n_past, range(W + G + 1), True)]
         candidates = list(self.pool.get(token))
+        if run.constraint is not None:
+            candidates = [g for g in candidates if len(run.valid_prefix(g)) == len(g)]
         rows = [[0] * N for _ in candidates]
         # Verification n-grams first (less KV fragmentation, as lookahead.cpp).
         for j in range(N - 1):
@@ -123,7 +129,7 @@ class LookaheadWindow:
         W, N, G = self.config.window, self.config.ngram, self.config.guesses
         target = self.target
         n_past = len(run.context) - 1
-        b = yield from self._decode_batch(run.pending, n_past)
+        b = yield from self._decode_batch(run, n_past)
         active = list(range(len(b.candidates)))
         best_seq, row = 0, b.input_row
         n_matched = 0  # matched tokens whose cells (in best_seq) stay in the cache
@@ -171,6 +177,7 @@ class LookaheadDecoding(StepMachine):
         run = Run(self.name, target.model, params, prompt, target.n_ctx)
         la = LookaheadWindow(target, self.config, prompt)
         first_token: list[int] = []
+        first_logits: list[np.ndarray | None] = []
 
         def prefill() -> Generator[Decode, list[int], int]:
             # As lookahead.cpp, batch for batch: the prompt but its last token, then the last token alone, and the
@@ -180,21 +187,26 @@ class LookaheadDecoding(StepMachine):
             yield from target.extending(prompt[-1:])
             logits = run.logits(target)
             first_token.append(sample_logits(logits, params, run.rng))
+            first_logits.append(np.array(logits) if params.logprobs is not None else None)
             return cached
 
         def step() -> Iterator[object]:
             if first_token:
-                ev = run.commit(first_token.pop(), TARGET)
+                ev = run.commit(first_token.pop(), TARGET, logits=first_logits.pop())
                 if ev is not None:
                     yield ev
                 target.share_with(la.n_seqs)
                 la.batch_tokens += 1
                 yield run.end_step(0, 0, "plain")
+            elif (yield from forced_step(run, target)):
+                pass
             elif not la.fits(run):
                 # Too close to the end of the context for a window: plain decoding.
                 la.batch_tokens += 1
                 yield from chain_step(run, target, [], None)
             else:
+                if run.last_choice == "grammar":
+                    target.share_with(la.n_seqs)  # the grammar's step grew sequence 0 alone
                 yield from la.step(run)
             run.extra.update(la.stats())
 

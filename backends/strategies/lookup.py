@@ -19,7 +19,7 @@ from backends.run import Run
 from backends.sampling import GenParams
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
-from backends.strategies.chain import chain_step
+from backends.strategies.chain import chain_step, forced_step
 
 
 class NgramIndex:
@@ -79,7 +79,9 @@ class PromptLookup(StepMachine):
         index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
 
         def step() -> Iterator[object]:
-            drafts = index.propose(run.context, min(self.config.draft_max, run.room() - 1))
+            if (yield from forced_step(run, self.target)):
+                return
+            drafts = run.valid_prefix(index.propose(run.context, min(self.config.draft_max, run.room() - 1)))
             yield from chain_step(run, self.target, drafts, None, "lookup")
 
         return drive(run, lambda: self.target.syncing(prompt[:-1], logits=False), step, should_stop)

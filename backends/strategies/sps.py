@@ -24,7 +24,7 @@ from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
-from backends.strategies.chain import chain_step
+from backends.strategies.chain import chain_step, forced_step
 
 
 class SpeculativeSampling(StepMachine):
@@ -52,7 +52,7 @@ class SpeculativeSampling(StepMachine):
                 return tokens, dists
             yield from self.draft.syncing(run.context)
             for i in range(k):
-                logits = run.logits(self.draft, path=tokens)
+                logits = run.logits(self.draft, path=tokens, drafter=True)
                 if params.greedy:
                     tok = argmax(logits)
                     confidence = top_probability(logits) if cfg.p_min > 0 else 1.0
@@ -71,6 +71,8 @@ class SpeculativeSampling(StepMachine):
 
         def step() -> Iterator[object]:
             nonlocal k_cur
+            if (yield from forced_step(run, self.target)):
+                return
             drafts, dists = yield from propose(min(k_cur, run.room() - 1))
             verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else dists)
             if cfg.adaptive and drafts:

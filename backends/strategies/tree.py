@@ -55,8 +55,8 @@ from backends.run import Run
 from backends.sampling import GenParams
 from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
-from backends.strategies.branches import pick_among
-from backends.strategies.chain import chain_step
+from backends.strategies.branches import verify_tree
+from backends.strategies.chain import chain_step, forced_step
 
 @dataclass
 class _Node:
@@ -93,7 +93,8 @@ def _top_log_probs(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     log_z = top + float(np.log(np.exp(logits - top).sum(dtype=np.float64)))
     ids = np.argpartition(logits, -k)[-k:]
     ids = ids[np.argsort(-logits[ids], kind="stable")]
-    return [(int(i), float(logits[i]) - log_z) for i in ids]
+    # A grammar's mask leaves fewer than k tokens possible at some places: the others are no candidates.
+    return [(int(i), float(logits[i]) - log_z) for i in ids if logits[i] > -np.inf]
 
 
 class _Scratch:
@@ -133,7 +134,7 @@ class TreeSpeculation(StepMachine):
     def _root_logits(self, run: Run) -> Generator[Decode, list[int], np.ndarray]:
         yield from self.draft.syncing(run.context)
         self.draft_forwards += 1
-        return run.logits(self.draft)
+        return run.logits(self.draft, drafter=True)
 
     def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> Generator[Decode, list[int], list[int]]:
         """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
@@ -156,7 +157,7 @@ class TreeSpeculation(StepMachine):
             rows = yield from self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
-                for t, lp in _top_log_probs(run.logits(self.draft, row, _path(nodes, i)), k):
+                for t, lp in _top_log_probs(run.logits(self.draft, row, _path(nodes, i), drafter=True), k):
                     layer.append(len(nodes))
                     nodes.append(_Node(t, i, depth + 1, nodes[i].logp + lp))
         scratch.release()
@@ -192,7 +193,8 @@ class TreeSpeculation(StepMachine):
             if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
                 break
             rows = yield from self._decode(len(context), nodes, grown)
-            live = [_Branch(i, seq, run.logits(self.draft, row, _path(nodes, i))) for (i, seq), row in zip(grown, rows)]
+            live = [_Branch(i, seq, run.logits(self.draft, row, _path(nodes, i), drafter=True))
+                    for (i, seq), row in zip(grown, rows)]
         scratch.release()
         return nodes
 
@@ -247,48 +249,20 @@ class TreeSpeculation(StepMachine):
             return cached
 
         def tree_step() -> Iterator[object]:
-            n_past = len(run.context) - 1
             nodes, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
-            children: list[list[int]] = [[] for _ in range(len(nodes) + 1)]  # index 0 = the root
-            for i, n in enumerate(nodes):
-                children[n.parent + 1].append(i)
-            leaves = [i for i in range(len(nodes)) if not children[i + 1]]
-            paths: list[set[int]] = [set() for _ in nodes]  # target sequence ids through each node
-            for leaf_no, leaf in enumerate(leaves, start=1):
-                i = leaf
-                while i >= 0:
-                    paths[i].add(leaf_no)
-                    i = nodes[i].parent
-            target.share_with(len(leaves) + 1)
-            entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
-            entries += [(n.token, n_past + n.depth, sorted(paths[i]), True) for i, n in enumerate(nodes)]
-            all_rows = yield from target.decoding(entries)
-            rows = all_rows[1:]
-            totals["batch_tokens"] += len(entries)
-            totals["tree_nodes"] += len(nodes)
+            v = yield from verify_tree(run, target, [n.token for n in nodes], [n.parent for n in nodes], "draft",
+                                       "tree")
+            totals["batch_tokens"] += v.nodes + 1
+            totals["tree_nodes"] += v.nodes
             totals["drafted_nodes"] += drafted
-            totals["tree_leaves"] += len(leaves)
-            totals["tree_depth"] += max((n.depth for n in nodes), default=0)
-
-            cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
-            while True:
-                kids = children[cur + 1]
-                offered = [nodes[k].token for k in kids]
-                token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, "draft")
-                n_accepted += counted
-                if run.reason is not None or not matched:
-                    break
-                n_matched += 1
-                cur = next(k for k in kids if nodes[k].token == token)
-                row = rows[cur]
-            # Sequences 1.. are shared anew at the next step's start.
-            best_seq = min(paths[cur]) if n_matched else 0
-            target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
-            yield run.end_step(len(nodes), n_accepted, "tree")
+            totals["tree_leaves"] += v.leaves
+            totals["tree_depth"] += v.depth
 
         def step() -> Iterator[object]:
             # A step needs a cell for every drafted node (target and draft caches), not only the depth.
-            if run.room() < 2 or len(run.context) + max(self.config.drafted_nodes, self.config.depth) + 1 > run.n_ctx:
+            if (yield from forced_step(run, target)):
+                pass
+            elif run.room() < 2 or len(run.context) + max(self.config.drafted_nodes, self.config.depth) + 1 > run.n_ctx:
                 totals["batch_tokens"] += 1
                 yield from chain_step(run, target, [], None)
             else:

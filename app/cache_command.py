@@ -1,0 +1,71 @@
+"""`specchat cache stats` and `specchat cache clear`: the speculation memory, seen and emptied by its owner.
+
+The memory (backends.suffix) keeps the ends of earlier prompts and their
+outputs, one file per vocabulary, in the data dir's `suffix/` folder (or
+$SPECCHAT_SUFFIX_CACHE). `stats` reads the files without loading a model:
+documents, tokens, size on disk, and what the memory's proposals did (hit
+rate: lookups that found a continuation; acceptance: proposed tokens the
+target accepted). `clear` deletes them (all, or the file named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from app.errors import UserError
+
+
+def add_cache_parser(sub: argparse._SubParsersAction, parser_class: type) -> None:
+    cache = sub.add_parser("cache", help="the speculation memory: stats, clear",
+                           description="The speculation memory of earlier outputs (one file per vocabulary).")
+    verbs = cache.add_subparsers(dest="cache_command", parser_class=parser_class, required=True)
+    stats = verbs.add_parser("stats", help="what the memory holds and how well it proposes")
+    stats.add_argument("--json", action="store_true", help="one JSON object per file")
+    clear = verbs.add_parser("clear", help="delete the memory (every vocabulary's, or one file)")
+    clear.add_argument("file", nargs="?", help="one memory file (default: all of them)")
+
+
+def _folder() -> Path | None:
+    from backends.suffix import suffix_cache_dir
+
+    return suffix_cache_dir(None)
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    from backends.suffix import counters_path, describe_file
+
+    folder = _folder()
+    if folder is None:
+        raise UserError("the speculation memory is off ($SPECCHAT_SUFFIX_CACHE is empty)")
+    files = sorted(folder.glob("memory-*.bin")) if folder.is_dir() else []
+    if args.cache_command == "stats":
+        if not files:
+            print(f"the speculation memory is empty ({folder})")
+            return 0
+        for path in files:
+            info = describe_file(path)
+            if args.json:
+                print(json.dumps(info))
+            elif "error" in info:
+                print(f"{path.name}: unreadable: {info['error']}")
+            else:
+                hit = f"{100 * info['hit_rate']:.0f}%" if info["hit_rate"] is not None else "-"
+                acc = f"{100 * info['acceptance']:.0f}%" if info["acceptance"] is not None else "-"
+                print(f"{path.name}: {info['documents']} texts, {info['tokens']:,} tokens, "
+                      f"{info['file_bytes'] / 1024:.0f} KiB; lookups {info.get('lookups', 0)}, hit rate {hit}, "
+                      f"proposed tokens accepted {acc}")
+        return 0
+    targets = files
+    if args.file:
+        path = Path(args.file)
+        chosen = path if path.is_file() else folder / args.file
+        if not chosen.is_file():
+            raise UserError(f"{args.file}: no such memory file (see specchat cache stats)")
+        targets = [chosen]
+    for path in targets:
+        path.unlink()
+        counters_path(path).unlink(missing_ok=True)
+    print(f"cleared {len(targets)} memory file{'s' * (len(targets) != 1)} in {folder}")
+    return 0

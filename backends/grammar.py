@@ -1,0 +1,212 @@
+"""Constrained generation: a grammar says which tokens may come next, for the target and for every drafter.
+
+The grammar engine is llguidance (Microsoft's, the engine behind guidance and
+llama.cpp's -DLLAMA_LLGUIDANCE build, and one of vLLM's two structured-output
+backends), chosen by measurement over llama.cpp's own grammar sampler on this
+project's models (docs/results.md, "Grammar engines"): it computes the mask
+of allowed tokens for the whole vocabulary in tens of microseconds where
+llama.cpp's sampler checks candidates one by one (and its grammar state is
+not cloneable through llama-cpp-python, which speculation needs to look
+ahead along a draft and roll back). llguidance also compiles JSON schemas,
+Lark and llama.cpp's GBNF, validates a grammar up front (an uncompilable one
+is a clear error, never ignored), and says how many tokens of a proposal the
+grammar admits.
+
+How speculation stays lossless under a grammar (vLLM's structured outputs
+with speculation and XGrammar do the same): the target's distribution at
+every position is the masked one, `softmax(logits)` with the tokens the
+grammar forbids after that position's path at -inf, then the sampling
+transform. A row's path is what it follows past the committed output: a
+chain's drafts before it, a tree node's ancestors (backends.run.Run.logits
+applies the mask for it; the matcher consumes the path, computes the mask
+and rolls back). Verification (greedy, rejection sampling, the one-hot
+rule) then compares the proposals with that distribution, so the output is
+exactly a sample of the constrained target. Proposals obey the grammar too:
+the draft model samples from its own masked distribution, and lookup's,
+lookahead's and a tree's candidates are cut at their first forbidden token
+before they cost a batch row.
+
+Forced stretches (SGLang's jump-forward): where the grammar admits only some
+fixed bytes next (a key, `": "`, a closing bracket), their canonical
+tokenization (llguidance's fast-forward tokens) is proposed as a draft. It is
+verified like any other: the model may spell the same bytes with other
+tokens, which the grammar also allows, so these drafts are very likely, not
+certain (`Constraint.forced_is_certain` tells when a single token is all the
+grammar allows, where acceptance is exactly 1).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import llguidance
+import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+GrammarKind = Literal["json_schema", "json_object", "gbnf", "lark", "regex"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "gbnf", "lark", "regex")
+# How many forced tokens one step proposes at most (a long fixed stretch goes over several steps).
+FORCED_MAX = 16
+# JSON as Python's json.dumps writes it by default: `{"a": 1, "b": [2, 3]}`, one space after ':' and ',' and no
+# other whitespace. A fixed layout is what makes keys, separators and brackets forced stretches; whitespace
+# allowed anywhere (llguidance's default) would leave a choice before every one of them. A schema's
+# "x-guidance" object may ask otherwise ({"whitespace_flexible": true}).
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A schema or grammar that cannot be compiled: the user's mistake, said in one line."""
+
+
+def grammar_text(kind: GrammarKind, source: str | dict) -> str:
+    """llguidance's grammar for a JSON schema (a dict or its text), any JSON object, GBNF, Lark or a regex."""
+    try:
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        if kind == "json_schema":
+            schema = json.loads(source) if isinstance(source, str) else source
+            if not isinstance(schema, dict):
+                raise GrammarError("a JSON schema must be a JSON object")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        assert isinstance(source, str)
+        if kind == "gbnf":
+            try:
+                lark = any_to_lark(source)
+            except Exception as e:  # noqa: BLE001 - the converter raises bare Exceptions for undefined rules
+                raise GrammarError(f"the GBNF grammar cannot be compiled: {_first_line(e)}") from None
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        if kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(source)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(source)
+    except GrammarError:
+        raise
+    except (ValueError, TypeError, json.JSONDecodeError, GbnfToLarkError) as e:
+        raise GrammarError(f"the {kind.replace('_', ' ')} cannot be compiled: {_first_line(e)}") from None
+    raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+def _first_line(e: object) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar compiled and checked for one vocabulary (a `Vocabulary`'s llguidance tokenizer); immutable,
+    shared by every generation that uses it. Build it with `compile_grammar`."""
+
+    kind: GrammarKind
+    text: str  # llguidance's grammar
+    tokenizer: Any  # llguidance.LLTokenizer
+    n_vocab: int
+
+    def start(self) -> "Constraint":
+        return Constraint(self)
+
+
+def compile_grammar(kind: GrammarKind, source: str | dict, tokenizer: Any, n_vocab: int) -> Grammar:
+    """Compile and check a grammar, or raise GrammarError with llguidance's reason."""
+    text = grammar_text(kind, source)
+    error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"the {kind.replace('_', ' ')} cannot be compiled: {_first_line(error)}")
+    return Grammar(kind, text, tokenizer, n_vocab)
+
+
+class Constraint:
+    """One generation's place in its grammar: which tokens may follow the committed output, or follow a path
+    of proposals after it. Advanced by `commit` as tokens are emitted (verification accepts them one by one,
+    so a rejected proposal never enters it: looking along a path consumes it and rolls it back)."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self._m = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
+        if self._m.is_error():
+            raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
+        self._words = (grammar.n_vocab + 31) // 32
+        self._bits = np.zeros(self._words, dtype=np.int32)
+        self.n_tokens = 0  # committed
+        self.masks = 0
+        self.seconds = 0.0  # spent computing masks and looking ahead (the grammar's cost)
+
+    # -- what may come next --------------------------------------------------
+
+    def allowed(self, path: Sequence[int] = ()) -> np.ndarray:
+        """A boolean array over the vocabulary: the tokens the grammar allows after the output and `path`."""
+        t0 = time.perf_counter()
+        m = self._m
+        consumed = 0
+        if path:
+            consumed = m.validate_tokens(list(path))  # never puts the matcher in its error state
+            if consumed:
+                m.consume_tokens(list(path[:consumed]))
+        try:
+            if consumed < len(path) or m.is_stopped():
+                # Past a refused token, or past the grammar's end: only the end may follow (a row there is never
+                # accepted, but its distribution must stay one).
+                out = np.zeros(self.grammar.n_vocab, dtype=bool)
+                out[[t for t in self.grammar.tokenizer.eos_tokens if t < self.grammar.n_vocab]] = True
+                return out
+            m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        finally:
+            if consumed:
+                m.rollback(consumed)
+            self.masks += 1
+            self.seconds += time.perf_counter() - t0
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.grammar.n_vocab).astype(bool)
+
+    def apply(self, logits: np.ndarray, path: Sequence[int] = ()) -> None:
+        """Set the logits of the tokens the grammar forbids after `path` to -inf, in place."""
+        allowed = self.allowed(path)
+        n = min(logits.shape[0], allowed.shape[0])
+        np.putmask(logits[:n], ~allowed[:n], -np.inf)
+        if logits.shape[0] > n:  # padding rows past the tokenizer's words
+            logits[n:] = -np.inf
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of a proposal the grammar admits after the output (the rest is cut)."""
+        if not tokens:
+            return 0
+        t0 = time.perf_counter()
+        n = self._m.validate_tokens(list(tokens))
+        self.seconds += time.perf_counter() - t0
+        return n
+
+    def forced(self, limit: int = FORCED_MAX) -> list[int]:
+        """The canonical tokens of the bytes the grammar forces next (none when it leaves a choice)."""
+        if limit <= 0 or self._m.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        tokens = list(self._m.compute_ff_tokens()[:limit])
+        # The fast-forward tokens come from the model's own tokenizer, which may spell the forced bytes in a way
+        # the vocabulary's pieces do not (a tokenizer that does not round-trip): only what the grammar admits.
+        tokens = tokens[: self._m.validate_tokens(tokens)] if tokens else tokens
+        self.seconds += time.perf_counter() - t0
+        return tokens
+
+    def forced_is_certain(self, tokens: Sequence[int]) -> bool:
+        """Whether each of these tokens is the only one the grammar allows at its place (acceptance 1)."""
+        return all(int(self.allowed(tokens[:i]).sum()) == 1 for i in range(len(tokens)))
+
+    # -- the committed output ----------------------------------------------
+
+    def commit(self, token: int) -> None:
+        """The token was emitted: the grammar moves past it."""
+        if not self._m.consume_token(token):
+            raise GrammarError(f"the grammar refused token {token} that was emitted: "
+                               f"{_first_line(self._m.get_error())}")
+        self.n_tokens += 1
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing may follow but the end (the generation stops here)."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """What was emitted is a whole sentence of the grammar (the end may come now)."""
+        return self._m.is_accepting()

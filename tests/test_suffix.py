@@ -1,0 +1,246 @@
+"""The speculation memory: its store on disk (backends.suffix) and the strategies that draft from it.
+
+The store is tested with real files (crashes are real kill -9s, corrupt files
+real bytes); `suffix` and `auto` on real llama.cpp: greedy output equal to
+`ar`'s with a warm memory, the sampling law kept (chi-square, alpha 1e-4),
+and a second process drafting from what the first one wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.config import StrategyOptions, SuffixConfig
+from backends.engine import Engine, EngineConfig
+from backends.sampling import GenParams
+from backends.suffix import SuffixFile, SuffixStore, describe_file, merge_continuations
+from engine_helpers import run_to_done
+from stats_helpers import ALPHA, fits_law, outcome, target_law
+
+HASH = bytes(range(32))
+N_VOCAB = 300
+
+
+def _store(path: Path | None, **kw) -> SuffixStore:
+    return SuffixStore(path, HASH, N_VOCAB, **kw)
+
+
+def test_a_continuation_seen_before_is_proposed_with_its_share(tmp_path: Path) -> None:
+    store = _store(tmp_path / "m.bin")
+    store.add([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    store.add([1, 7, 8, 9, 20, 21, 22, 23, 24])
+    store.add([2, 3, 4, 40, 41, 42, 43, 44, 45])
+    tree = store.continuations([99, 6, 7, 8, 9], 4, 16)
+    assert tree.match >= 4  # "6 7 8 9" matched the first document further back than the second
+    chain, shares = tree.best_chain(4)
+    assert chain == [10, 11, 12, 13]
+    assert {tree.tokens[i] for i, p in enumerate(tree.parents) if p == -1} == {10, 20}
+    assert shares[0] > 0.5  # the longer match weighs more
+    assert not store.continuations([200, 201, 202], 4, 16).tokens
+    assert store.stats()["hits"] == 1 and store.stats()["lookups"] == 2
+
+
+def test_the_memory_persists_and_a_new_store_proposes_from_it(tmp_path: Path) -> None:
+    path = tmp_path / "m.bin"
+    first = _store(path)
+    doc = list(range(50, 90))
+    first.add(doc)
+    first.flush()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600, "the owner's text: readable by the owner only"
+    second = _store(path)
+    assert second.continuations(doc[:10], 5, 8).best_chain(5)[0] == doc[10:15]
+
+
+def test_a_record_cut_by_a_crash_is_dropped_and_the_rest_loads(tmp_path: Path) -> None:
+    path = tmp_path / "m.bin"
+    store = _store(path)
+    docs = [list(range(i, i + 20)) for i in range(0, 200, 20)]
+    for d in docs:
+        store.add(d)
+    store.flush()
+    whole = path.read_bytes()
+    for cut in (len(whole) - 3, len(whole) - 40, len(whole) - 81):
+        path.write_bytes(whole[:cut])
+        got = _store(path)
+        assert 8 <= got.stats()["documents"] <= 9
+        assert got.continuations(docs[0][:5], 3, 4).best_chain(3)[0] == docs[0][5:8]
+
+
+def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
+    path = tmp_path / "m.bin"
+    writer = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from backends.suffix import SuffixFile\n"
+        "f = SuffixFile(__import__('pathlib').Path(%r), bytes(range(32)), 300)\n"
+        "i = 0\n"
+        "while True:\n"
+        "    f.append([[(i + j) %% 300 for j in range(4000)]]); i += 1\n"
+    ) % (str(Path(__file__).resolve().parents[1]), str(path))
+    for delay in (0.3, 0.55, 0.8):
+        proc = subprocess.Popen([sys.executable, "-c", writer])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        docs, _cut = SuffixFile(path, HASH, N_VOCAB).read()
+        assert docs and all(len(d) == 4000 for d in docs)
+        assert _store(path).stats()["documents"] >= 1
+        path.unlink()
+
+
+@pytest.mark.parametrize("damage", ["truncated header", "garbage", "other vocabulary", "bad token ids",
+                                    "middle record"])
+def test_a_damaged_or_foreign_file_is_set_aside_with_one_line(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "m.bin"
+    store = _store(path)
+    for i in range(3):
+        store.add(list(range(i * 10, i * 10 + 12)))
+    store.flush()
+    data = bytearray(path.read_bytes())
+    if damage == "truncated header":
+        data = data[:10]
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    elif damage == "other vocabulary":
+        data[12] ^= 0xFF  # a byte of the vocabulary hash
+    elif damage == "bad token ids":
+        data = bytearray(SuffixFile(path, HASH, N_VOCAB).header() + SuffixFile.record([5, 10_000, 6]))
+    else:
+        data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    said: list[str] = []
+    fresh = _store(path, warn=said.append)
+    assert fresh.stats()["documents"] == 0
+    assert len(said) == 1 and "\n" not in said[0] and "set aside" in said[0]
+    assert list(tmp_path.glob("m.bin.bad-*")), "the damaged file is kept aside, not deleted"
+    fresh.add(list(range(100, 120)))
+    fresh.flush()
+    assert _store(path).stats()["documents"] == 1
+
+
+def test_ten_thousand_generations_stay_under_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / "m.bin"
+    store = _store(path, max_tokens=20_000)
+    rng = np.random.default_rng(0)
+    for i in range(10_000):
+        store.add(rng.integers(0, N_VOCAB, size=int(rng.integers(20, 80))).tolist())
+        if i % 1000 == 0:
+            store.continuations(rng.integers(0, N_VOCAB, size=8).tolist(), 8, 16)
+    store.flush()
+    assert store.n_tokens <= 20_000
+    info = describe_file(path)
+    assert info["tokens"] == store.n_tokens and info["file_bytes"] < 20_000 * 4 + 60_000
+    recent = store._docs[-1].tolist()
+    assert store.continuations(recent[:6], 4, 8).best_chain(4)[0] == recent[6:10], "the newest are kept"
+
+
+def test_merged_tree_keeps_the_heaviest_nodes_parents_first() -> None:
+    tree = merge_continuations([[1, 2, 3], [1, 2, 4], [1, 5], [6]], [3, 2, 1, 1], 4, 3)
+    assert len(tree) == 4 and all(p < i for i, p in enumerate(tree.parents))
+    assert tree.tokens[0] == 1 and tree.probs[0] == pytest.approx(6 / 7)
+    assert tree.best_chain(3)[0] == [1, 2, 3]
+
+
+# -- on real llama.cpp ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def memory_engine(tiny, tmp_path: Path) -> Engine:
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1, n_seq_max=32,
+                                 suffix_cache=tmp_path / "memory"))
+    yield engine
+    engine.close()
+
+
+def test_suffix_and_auto_with_a_warm_memory_give_ars_greedy_output(memory_engine: Engine) -> None:
+    prompts = [memory_engine.tokenize(p) for p in ("the cat sat on the mat", "once upon a time there was",
+                                                   "def print hello world", "the big red dog ran")]
+    params = GenParams(max_tokens=60)
+    alone = {i: run_to_done(memory_engine, "ar", p, params).tokens for i, p in enumerate(prompts)}  # remembered
+    for strategy in ("suffix", "auto"):
+        for i, p in enumerate(prompts):
+            done = run_to_done(memory_engine, strategy, p, params)
+            assert done.tokens == alone[i], f"{strategy} on prompt {i}"
+    again = run_to_done(memory_engine, "suffix", prompts[0], params)
+    assert again.stats.tokens_by_source.get("memory", 0) > 30, "an exact repeat drafts from the memory"
+    assert again.stats.target_forwards < len(again.tokens) / 3
+
+
+def test_a_request_that_must_not_be_remembered_neither_reads_nor_writes(memory_engine: Engine) -> None:
+    prompt = memory_engine.tokenize("hello world and the house")
+    off = StrategyOptions(suffix_cache=False)
+    first = run_to_done(memory_engine, "suffix", prompt, GenParams(max_tokens=40), off)
+    memory = memory_engine.memory()
+    assert memory is not None and memory.stats()["documents"] == 0
+    run_to_done(memory_engine, "ar", prompt, GenParams(max_tokens=40))  # remembered
+    again = run_to_done(memory_engine, "suffix", prompt, GenParams(max_tokens=40), off)
+    assert again.tokens == first.tokens and again.stats.tokens_by_source.get("memory", 0) <= \
+        first.stats.tokens_by_source.get("memory", 0)
+
+
+@pytest.mark.parametrize("strategy", ["suffix"])
+def test_suffix_trees_keep_the_target_law(tiny, tmp_path: Path, strategy: str) -> None:
+    """With a memory that holds several continuations of the prompt, trees are proposed and verified; the
+    output's law is the target's (chi-square at alpha 1e-4 on the 15-token vocabulary)."""
+    engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32,
+                                 suffix_cache=tmp_path / "memory"))
+    try:
+        prompt = [1, 4, 6, 8]
+        memory = engine.memory()
+        assert memory is not None
+        rng = np.random.default_rng(1)
+        for _ in range(40):  # earlier texts: the prompt's end followed by assorted continuations
+            memory.add([4, 6, 8] + rng.integers(3, engine.target_model.n_vocab, size=6).tolist())
+        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        law = target_law(engine, prompt, params)
+        options = StrategyOptions(suffix=SuffixConfig(min_prob=0.0, factor=8.0), suffix_cache=True)
+        counts: dict[tuple[int, ...], int] = {}
+        drafted = 0
+        strat = engine.strategy(strategy, replace(options))
+        for seed in range(3000):
+            events = list(strat.inner.generate(prompt, replace(params, seed=seed)))  # not remembered: fixed memory
+            done = events[-1]
+            counts[outcome(engine, done)] = counts.get(outcome(engine, done), 0) + 1
+            drafted += done.stats.drafted
+        assert drafted > 3000, "trees were proposed"
+        p_value = fits_law(counts, law)
+        assert p_value > ALPHA, f"the law differs from the target's (chi-square p = {p_value:.2e})"
+    finally:
+        engine.close()
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(tiny, tmp_path: Path) -> None:
+    env = {**os.environ, "SPECCHAT_SUFFIX_CACHE": str(tmp_path / "memory")}
+    args = ["run", "the cat sat on the mat", "-m", str(tiny.target), "-s", "suffix", "-n", "60", "--temp", "0",
+            "-t", "1", "--json"]
+    first = _run(args, env)
+    assert first.returncode == 0, first.stderr
+    second = _run(args, env)
+    done1, done2 = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (first, second))
+    assert done1["tokens"] == done2["tokens"]
+    assert done2["stats"]["tokens_by_source"].get("memory", 0) > done1["stats"]["tokens_by_source"].get("memory", 0)
+    stats = _run(["cache", "stats", "--json"], env)
+    info = json.loads(stats.stdout.splitlines()[0])
+    assert info["documents"] == 1 and info["tokens"] > 60 and info["accepted"] > 0
+    no = _run([*args[:-1], "--no-suffix-cache", "--json"], env)
+    # Without the memory, suffix drafts from the request alone: as the first run did, with an empty memory.
+    assert json.loads(no.stdout.strip().splitlines()[-1])["stats"]["tokens_by_source"] == \
+        done1["stats"]["tokens_by_source"]
+    assert json.loads(_run(["cache", "stats", "--json"], env).stdout.splitlines()[0])["documents"] == 1
+    cleared = _run(["cache", "clear"], env)
+    assert cleared.returncode == 0 and "cleared 1" in cleared.stdout
+    assert "empty" in _run(["cache", "stats"], env).stdout
