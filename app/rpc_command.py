@@ -5,7 +5,7 @@
 The other machine then runs the target's layers here: `specchat run ... --rpc
 THIS-HOST:50052`. It is llama.cpp's own RPC server (`tools/rpc/rpc-server.cpp`:
 the same device choice, defaults and warning), started through the llama.cpp
-library specchat already loads (backends.llama.serve_rpc), so both machines
+library specchat already loads (backends.llama_rpc.serve_rpc), so both machines
 run the same llama-cpp-python and hence the same RPC protocol version.
 
 ggml's server call blocks forever in C and has no way to stop it, so it runs in
@@ -110,7 +110,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def run_rpc_server(args: argparse.Namespace) -> int:
-    from backends.llama import rpc_server_devices, serve_rpc
+    from backends.llama_rpc import rpc_server_devices, serve_rpc
 
     host = args.host
     try:

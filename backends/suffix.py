@@ -307,6 +307,7 @@ class SuffixStore:
         self.accepted = 0
         self.lookup_seconds = 0.0
         self._earlier: dict[str, int] = {}  # the counters of earlier sessions (the stats file beside the store)
+        self.frozen = False  # consulted but not updated (measurements that must not teach it as they go)
 
     # -- loading -------------------------------------------------------------
 
@@ -387,7 +388,7 @@ class SuffixStore:
 
     def add(self, tokens: Sequence[int]) -> None:
         """Keep a document (the end of a prompt and its output), on disk too."""
-        if len(tokens) < MIN_DOC:
+        if len(tokens) < MIN_DOC or self.frozen:
             return
         doc = np.asarray(tokens, dtype=np.int64)
         with self._lock:

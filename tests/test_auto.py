@@ -22,10 +22,12 @@ from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
 from backends.kv import run_now
 from backends.sampling import GenParams
-from backends.strategies.auto import (BACKOFF_MAX, LOOKUP_POSITIONS, MATCH_EXTEND, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX,
-                                      Acceptance, AutoDecoding, AutoState, Calibration, _Generation, best_chain_length,
-                                      confidence_bin, expected_chain_tokens, explore_interval, lookup_acceptance,
-                                      lookup_key)
+from backends.strategies.auto import AutoDecoding
+from backends.strategies.auto.decide import (BACKOFF_MAX, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX, best_chain_length,
+                                             expected_chain_tokens, explore_interval)
+from backends.strategies.auto.generation import _Generation
+from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
+                                            confidence_bin, lookup_acceptance, lookup_key)
 from backends.strategies.lookup import NgramIndex
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law

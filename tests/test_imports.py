@@ -1,6 +1,10 @@
 """The architecture's import rules, enforced (as harlequin does for its own layers).
 
-- Only backends/llama.py imports llama_cpp: everything else talks to its typed surface.
+- Only the llama.cpp binding (backends/llama.py and its process-wide and RPC half, backends/llama_rpc.py)
+  imports llama_cpp: everything else talks to its typed surface.
+- The project's modules import each other without cycles (runtime imports, at module level or in a
+  function; `if TYPE_CHECKING:` imports may point anywhere): the engine, the strategy registry and `auto`
+  once knew each other in a circle.
 - backends/ and models/ never import textual or app/: the engine has no UI.
 - models/ never imports backends/: model files are handled without llama.cpp (the quantizer is passed in).
 - `specchat --help`, `specchat models ...` and `specchat serve --help` do not load llama.cpp, so they answer at once.
@@ -52,8 +56,9 @@ def test_the_rules_see_every_package() -> None:
     assert "llama_cpp" in _imports(ROOT / "backends" / "llama.py"), "the scan must find the one real import"
 
 
-def test_only_backends_llama_imports_llama_cpp() -> None:
-    assert _offenders(("app", "backends", "models"), ("llama_cpp",), allowed=("backends/llama.py",)) == []
+def test_only_the_binding_imports_llama_cpp() -> None:
+    assert _offenders(("app", "backends", "models"), ("llama_cpp",),
+                      allowed=("backends/llama.py", "backends/llama_rpc.py")) == []
 
 
 def test_engine_and_models_have_no_ui() -> None:
@@ -65,7 +70,7 @@ def test_models_do_not_import_the_engine() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["serve", "--help"], ["models", "pairs"],
-                                  ["models", "list"], ["bench", "--help"]])
+                                  ["models", "list"], ["bench", "--help"], ["cache", "stats"]])
 def test_commands_that_run_no_model_do_not_load_llama_cpp(argv: list[str], tmp_path: Path) -> None:
     code = (
         "import sys\n"
@@ -77,3 +82,81 @@ def test_commands_that_run_no_model_do_not_load_llama_cpp(argv: list[str], tmp_p
            "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert r.stdout.strip().splitlines()[-1] == "CLEAN", r.stdout + r.stderr
+
+
+# -- no import cycles ------------------------------------------------------------------------------------------
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules a file imports when it runs (at module level or in a function), not those under
+    `if TYPE_CHECKING:`. `from package import name` counts as importing `package.name` when that is a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in modules:
+                found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for package in ("app", "backends", "models") for p in _files(package)]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _runtime_imports(p, modules) - {_module_name(p)} for p in files}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph as a list of its modules (the first closing the loop), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_project_modules_import_each_other_without_cycles() -> None:
+    graph = import_graph()
+    assert "backends.engine" in graph and "backends.registry" in graph["backends.engine"], "the scan sees the edges"
+    cycle = find_cycle(graph)
+    assert cycle is None, "an import cycle: " + " -> ".join(cycle or [])

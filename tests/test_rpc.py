@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama import RPC_REBUILD_COMMAND, rpc_supported, rpc_timeout, set_rpc_timeouts
+from backends.llama_rpc import RPC_REBUILD_COMMAND, rpc_supported, rpc_timeout, set_rpc_timeouts
 from models.errors import ModelError
 
 needs_rpc = pytest.mark.skipif(not rpc_supported(), reason=f"this llama-cpp-python has no RPC: {RPC_REBUILD_COMMAND}")
@@ -266,10 +266,10 @@ def test_a_server_of_another_protocol_version_is_one_line_and_exit_1(tiny) -> No
 
 
 def test_a_build_without_rpc_names_the_rebuild_command(monkeypatch) -> None:
-    from backends import llama
+    from backends import llama_rpc
     from models.errors import ModelError
 
-    api = llama._Ggml()
+    api = llama_rpc._Ggml()
     monkeypatch.setattr(api, "reg_by_name", lambda name: None)
     with pytest.raises(ModelError) as e:
         api.rpc()
@@ -303,20 +303,20 @@ def test_a_model_too_big_for_the_servers_memory_is_one_line_before_loading(monke
     """The weights' offloaded share against the devices' free memory (pure logic: the memory figures are given)."""
     from types import SimpleNamespace
 
-    from backends import llama
+    from backends import llama_rpc
     from models.errors import ModelError
 
     free = {1: 300 << 20, 2: 200 << 20}  # two RPC devices
-    monkeypatch.setattr(llama, "_ggml", lambda: SimpleNamespace(dev_info=lambda d: SimpleNamespace(free=free[d])))
+    monkeypatch.setattr(llama_rpc, "ggml", lambda: SimpleNamespace(dev_info=lambda d: SimpleNamespace(free=free[d])))
     info = SimpleNamespace(path="big.gguf", block_count=9, size_bytes=1000 << 20)  # 10 offloadable layers
     endpoints = ["10.0.0.2:50052", "10.0.0.3:50052"]
     with pytest.raises(ModelError) as e:
-        llama._check_rpc_memory(info, -1, [1, 2], endpoints)
+        llama_rpc.check_rpc_memory(info, -1, [1, 2], endpoints)
     message = str(e.value)
     assert "\n" not in message and "every layer need about 1000 MiB" in message and "500 MiB free" in message
     assert "10.0.0.2:50052, 10.0.0.3:50052, which have" in message and "lower -ngl" in message
-    llama._check_rpc_memory(info, 4, [1, 2], endpoints)  # 4 of 10 layers: 400 MiB fits in 500
+    llama_rpc.check_rpc_memory(info, 4, [1, 2], endpoints)  # 4 of 10 layers: 400 MiB fits in 500
     with pytest.raises(ModelError, match="6 of 10 layers need about 600 MiB"):
-        llama._check_rpc_memory(info, 6, [1, 2], endpoints)
+        llama_rpc.check_rpc_memory(info, 6, [1, 2], endpoints)
     with pytest.raises(ModelError, match="10.0.0.2:50052 and this machine's GPUs, which have 500 MiB free"):
-        llama._check_rpc_memory(info, -1, [1, 2], endpoints[:1])  # one server, then a local GPU
+        llama_rpc.check_rpc_memory(info, -1, [1, 2], endpoints[:1])  # one server, then a local GPU

@@ -43,7 +43,7 @@ from app.loading import open_engine  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
-from backends.strategies.auto import AutoState, sampling_mode  # noqa: E402
+from backends.strategies.auto.state import AutoState, sampling_mode  # noqa: E402
 
 
 def report(ratios: dict[str, dict[str, list[float]]]) -> None:

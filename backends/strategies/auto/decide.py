@@ -1,0 +1,118 @@
+"""How `auto` chooses a step: the options, the expected worth of a chain, and when to try an option again.
+
+Pure functions of the estimates (backends.strategies.auto.state) and the
+device's cost curve; backends.strategies.auto explains the rule (Dinkelbach's
+transform of tokens per second) and the exploration schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+PLAIN, DRAFT, LOOKUP, LOOKAHEAD, MEMORY = "plain", "draft", "lookup", "lookahead", "memory"
+# Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
+# bounds it when an estimate is wrong (an option tried once per 128 steps costs at most ~1/128 of its step).
+MIN_EXPLORE_INTERVAL = 128
+# An option tried fewer than EARLY_TRIES times is still judged by its prior, so it is tried sooner: the
+# first try after EARLY_INTERVAL steps with EARLY_BUDGET_FACTOR times the budget, each later try waiting
+# twice as long on half the budget, until the steady schedule. Once per engine (the state is kept across
+# turns), this costs a few steps in all: a draft that pays at greedy is found within the first ~10 tokens.
+EARLY_TRIES = 4
+EARLY_INTERVAL = 8
+EARLY_BUDGET_FACTOR = 16
+# Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
+# on after a switch (fewer near the end of the answer).
+SWITCH_HORIZON = 8
+# Back-off: each try of an option that is then still not chosen on its estimate doubles the wait before its
+# next try, up to 2**BACKOFF_MAX times the steady interval; choosing it on its estimate, or a new temperature
+# (acceptance differs most between greedy and sampled decoding), starts the waits over.
+BACKOFF_MAX = 3
+# The longest chain a steady try of the draft drafts (the early tries draft up to sps's K): a try that tests
+# the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
+# whole on whichever answer it falls in.
+TRY_DRAFT_MAX = 3
+# Under load, an extra row is priced by the curve's slope over at least this many rows from the batch's size
+# (_curve_relative): a single step of the measured curve may be flat.
+LOAD_SLOPE_SPAN = 4
+# The least the batch cost curve's extra cost is scaled by (Calibration can approach 0 when verification batches
+# keep taking no longer than a plain step, as they may on a GPU): a row is never taken as free.
+MIN_CURVE_SCALE = 0.1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's option: what to verify, how long at most, expected tokens and seconds, and why."""
+
+    option: str
+    length: int = 0  # lookup: tokens to verify; the draft: the longest chain (it finds its length as it drafts)
+    tokens: float = 1.0  # expected output tokens
+    seconds: float = 1.0  # expected time
+    why: str = ""
+    explore: bool = False
+    # A one-off cost of taking this option now (the draft catching up on the tokens decoded while it stood
+    # by), and over how many steps of it that is paid back: a switch must pay for itself within them.
+    switch: float = 0.0
+    horizon: float = 1.0
+
+    @property
+    def step_seconds(self) -> float:
+        """Expected seconds of this step, with its share of the switching cost."""
+        return self.seconds + self.switch / self.horizon
+
+    def value(self, rate: float) -> float:
+        """Dinkelbach's worth at throughput `rate`: positive against a step that merely keeps the rate."""
+        return self.tokens - rate * self.step_seconds
+
+
+def running_expected_tokens(accept: Sequence[float]) -> Iterator[float]:
+    """Expected output of verifying the first 1, 2, ... proposals: 1 + the sum of the running products of
+    `accept`, where `accept[i]` is the chance the (i+1)-th is accepted given the ones before."""
+    expected, reach = 1.0, 1.0
+    for a in accept:
+        reach *= a
+        expected += reach
+        yield expected
+
+
+def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
+    """Expected output of verifying the first k proposals (1.0 for none)."""
+    return [1.0, *running_expected_tokens(accept[:k])][-1]
+
+
+def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
+                      per_token: float = 0.0) -> tuple[int, float, float]:
+    """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
+
+    `accept` as for `running_expected_tokens`; verifying k proposals costs
+    t_plain * T(k+1)/T(1) + k * per_token.
+    """
+    best = (0, 1.0, t_plain)
+    for i, expected in enumerate(running_expected_tokens(accept), start=1):
+        seconds = t_plain * curve(i + 1) + i * per_token
+        if expected - rate * seconds > best[1] - rate * best[2]:
+            best = (i, expected, seconds)
+    return best
+
+
+def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int, backoff: int = 0) -> int:
+    """Steps to wait before trying an option the estimates call worse by `extra_steps` plain steps a try.
+
+    Steady: the try costs at most `budget` / n_options of the time, and at least
+    MIN_EXPLORE_INTERVAL steps pass; `backoff` tries in a row that left the
+    option worse (still not chosen on its estimate) double the wait each, up
+    to 2**BACKOFF_MAX times: the cost of confirming, again and again, that an
+    option does not pay falls to an eighth of the budget, as retries back off
+    in TCP. While the option has been taken fewer than EARLY_TRIES times its
+    estimate is mostly prior, so the wait starts at EARLY_INTERVAL steps with
+    EARLY_BUDGET_FACTOR x the budget, doubling per try.
+    """
+    if budget <= 0:
+        return 1 << 30
+    early = max(EARLY_TRIES - taken, 0)
+    share = budget * min(EARLY_BUDGET_FACTOR, 2 ** early) / max(n_options, 1)
+    if early:
+        return max(min(MIN_EXPLORE_INTERVAL, EARLY_INTERVAL << taken), math.ceil(max(extra_steps, 0.0) / share))
+    steady = max(MIN_EXPLORE_INTERVAL, math.ceil(max(extra_steps, 0.0) / share))
+    return steady << min(max(backoff, 0), BACKOFF_MAX)

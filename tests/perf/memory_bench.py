@@ -1,0 +1,187 @@
+"""The speculation memory on work that repeats, and on work that does not (not a test: a measurement).
+
+Three task families of 24 requests each, as people run them day after day:
+- `extract`: the same fields pulled from 24 different short texts;
+- `rename`: one function with a variable renamed, 24 names;
+- `tool`: an agent's turn that answers with a tool call in a fixed format, 24
+  cities.
+1. warm-up, in a process of its own (`--phase warm`): the first 12 requests
+   of each family run with `auto` and the memory on, which remembers them;
+2. the second 12 of each family, in this process, with the memory as the
+   first process left it (frozen: it does not learn from these runs, so the
+   repeats and configurations do not feed each other): `ar`, `auto` without
+   the memory, `auto` with it, interleaved (who goes first rotates), medians
+   over repeats of each run's tokens/s ratio to `ar`'s on the same request;
+3. exact repeats: 8 of the warm-up's requests again, `ar` against `auto`
+   with the memory;
+4. work that does not repeat: the chat and builtin prompt sets, `auto` with
+   the warm memory against `auto` without it.
+
+    python tests/perf/memory_bench.py -m smollm2 -md smollm2-draft --repeats 3 --temp 0
+    python tests/perf/memory_bench.py -m smollm2 -md smollm2-draft --repeats 3 --temp 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from app.chat_template import ChatMessage  # noqa: E402
+from app.prompt_format import PromptFormat  # noqa: E402
+from app.prompt_sets import load_prompt_set  # noqa: E402
+from backends.config import StrategyOptions  # noqa: E402
+from backends.engine import Engine, EngineConfig  # noqa: E402
+from backends.events import until_done  # noqa: E402
+from backends.sampling import GenParams  # noqa: E402
+from models.resolve import resolve_model  # noqa: E402
+
+PEOPLE = [("Maria Lopez", 31, "Rome", "nurse"), ("John Smith", 45, "London", "teacher"),
+          ("Aiko Tanaka", 28, "Osaka", "engineer"), ("Pierre Martin", 52, "Lyon", "baker"),
+          ("Sara Cohen", 39, "Haifa", "lawyer"), ("Lars Berg", 61, "Oslo", "fisherman"),
+          ("Ana Costa", 24, "Porto", "student"), ("Omar Haddad", 47, "Amman", "pilot"),
+          ("Li Wei", 33, "Chengdu", "chef"), ("Eva Novak", 29, "Prague", "designer"),
+          ("Tom Walsh", 56, "Dublin", "farmer"), ("Nina Petrova", 41, "Sofia", "doctor"),
+          ("Raj Patel", 36, "Pune", "banker"), ("Ella Berg", 27, "Malmo", "painter"),
+          ("Diego Ruiz", 50, "Seville", "driver"), ("Mia Klein", 22, "Vienna", "musician"),
+          ("Kofi Mensah", 44, "Accra", "tailor"), ("Zoe Adams", 35, "Perth", "vet"),
+          ("Ivan Horvat", 58, "Split", "sailor"), ("Lea Roux", 30, "Nantes", "writer"),
+          ("Sam Lee", 26, "Busan", "coder"), ("Ada Nwosu", 48, "Lagos", "judge"),
+          ("Max Vogel", 63, "Bremen", "clockmaker"), ("Iris Blom", 38, "Utrecht", "architect")]
+NAMES = ["total", "count", "result", "value", "amount", "score", "price", "weight", "size", "length",
+         "height", "width", "depth", "speed", "level", "index", "offset", "limit", "budget", "balance",
+         "quota", "margin", "ratio", "factor"]
+FUNCTION = ("def summarize(items):\n    x = 0\n    for item in items:\n        if item > 0:\n"
+            "            x += item\n    return x\n")
+TOOL_SYSTEM = ("You call tools. To get the weather, answer exactly in this format and nothing else:\n"
+               "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": CITY, \"unit\": \"celsius\"}}\n"
+               "</tool_call>")
+
+
+def families() -> dict[str, list[list[ChatMessage]]]:
+    return {
+        "extract": [[ChatMessage("user", f"Extract name, age, city and job as JSON: {n} is a {a}-year-old {j} "
+                                         f"who lives in {c}.")] for n, a, c, j in PEOPLE],
+        "rename": [[ChatMessage("user", f"Rename the variable x to {name} in this function and show the whole "
+                                        f"function:\n\n{FUNCTION}")] for name in NAMES],
+        "tool": [[ChatMessage("system", TOOL_SYSTEM), ChatMessage("user", f"What is the weather in {c}?")]
+                 for _n, _a, c, _j in PEOPLE],
+    }
+
+
+def open_engine(args: argparse.Namespace, memory: Path | None) -> Engine:
+    target = resolve_model(args.m, lambda _m: None, None)
+    draft = resolve_model(args.md, lambda _m: None, None) if args.md else None
+    return Engine(EngineConfig(target, draft, n_ctx=4096, threads=args.t, n_seq_max=64,
+                               suffix_cache=memory if memory is not None else Path("")))
+
+
+def warm(args: argparse.Namespace) -> None:
+    engine = open_engine(args, Path(args.memory))
+    fmt = PromptFormat(engine)
+    params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
+    for requests in families().values():
+        for messages in requests[:12]:
+            until_done(engine.strategy("auto").generate(fmt.tokens(messages), params))
+    engine.close()
+
+
+def run(engine: Engine, name: str, options: StrategyOptions, tokens: list[int], params: GenParams) -> tuple[float, tuple]:
+    engine.slots[0].reset()
+    done = until_done(engine.strategy(name, options).generate(tokens, params))
+    if done.reason == "error":
+        raise SystemExit(f"{name}: {done.error}")
+    return done.stats.tokens_per_second, done.tokens
+
+
+def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, str, StrategyOptions]],
+            params: GenParams, repeats: int, label: str) -> dict[str, float]:
+    """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first."""
+    ratios: dict[str, list[float]] = {c[0]: [] for c in configs}
+    lowest: dict[str, float] = {}
+    differ = 0
+    turn = 0
+    for rep in range(repeats):
+        for i, tokens in enumerate(prompts):
+            order = [configs[(turn + k) % len(configs)] for k in range(len(configs))]
+            turn += 1
+            got = {}
+            for label_c, name, options in order:
+                got[label_c] = run(engine, name, options, tokens, replace_seed(params, rep * 1000 + i))
+            base_speed, base_tokens = got[configs[0][0]]
+            for label_c, (speed, out) in got.items():
+                ratios[label_c].append(speed / base_speed)
+                differ += params.greedy and out != base_tokens
+    medians = {k: statistics.median(v) for k, v in ratios.items()}
+    per_prompt = {k: [statistics.median(v[j::len(prompts)]) for j in range(len(prompts))] for k, v in ratios.items()}
+    for k in medians:
+        lowest[k] = min(per_prompt[k])
+    print(f"{label}: " + ", ".join(f"{k} {medians[k]:.2f}x (lowest prompt {lowest[k]:.2f}x)" for k in medians)
+          + (f"; greedy outputs differing from the first config's: {differ}" if params.greedy else ""), flush=True)
+    return medians
+
+
+def replace_seed(params: GenParams, seed: int) -> GenParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed if not params.greedy else params.seed)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", default="smollm2")
+    ap.add_argument("-md", default="smollm2-draft")
+    ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--phase", choices=["all", "warm"], default="all")
+    ap.add_argument("--memory", help="(warm phase) the memory folder")
+    args = ap.parse_args()
+    if args.phase == "warm":
+        warm(args)
+        return 0
+    folder = Path(tempfile.mkdtemp(prefix="specchat-memory-bench-"))
+    memory = folder / "memory"
+    print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
+    subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
+                    args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)], check=True)
+    engine = open_engine(args, memory)
+    store = engine.memory()
+    assert store is not None
+    store.frozen = True
+    print(f"memory: {json.dumps({k: v for k, v in store.stats().items() if k in ('documents', 'tokens', 'file_bytes')})}")
+    fmt = PromptFormat(engine)
+    params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
+    on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
+    configs = [("ar", "ar", off), ("auto", "auto", off), ("auto+memory", "auto", on)]
+    results = {}
+    try:
+        for family, requests in families().items():
+            results[family] = compare(engine, [fmt.tokens(m) for m in requests[12:]], configs, params, args.repeats,
+                                      f"{family} (second half)")
+        repeats = [fmt.tokens(m) for requests in families().values() for m in requests[:12:4]]
+        results["exact repeats"] = compare(engine, repeats, [configs[0], configs[2]], params, args.repeats,
+                                           "exact repeats of the warm-up")
+        for name in ("chat", "builtin"):
+            prompts = [fmt.tokens(list(p.messages) or [ChatMessage("user", p.chat_text())])
+                       for p in load_prompt_set(name)]
+            results[name] = compare(engine, prompts, [configs[1], configs[2]], params, args.repeats,
+                                    f"{name} (nothing repeats): auto+memory against auto")
+    finally:
+        engine.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
