@@ -18,7 +18,7 @@ from typing import Literal, NoReturn, Sequence
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -76,9 +76,30 @@ def _tojson(value: object, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+# The most characters or items one `*` in a template may make: a template is code from a downloaded file, and
+# `"a" * 10**10` would take the process's memory (jinja2's sandbox bounds range() only).
+MAX_PRODUCT = 1_000_000
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox with `*` and `**` bounded too."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left, right):  # type: ignore[no-untyped-def]
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_PRODUCT:
+                    raise SecurityError(f"a repetition of {len(seq) * n:,} items is over the sandbox's "
+                                        f"{MAX_PRODUCT:,}")
+        if operator == "**" and isinstance(right, int) and abs(right) > 1000:
+            raise SecurityError("an exponent over 1000 is over the sandbox's limit")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -105,3 +126,6 @@ def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, 
         raise
     except TemplateError as e:
         raise ChatTemplateError(f"the model's chat template failed: {e}") from None
+    except (OverflowError, RecursionError, MemoryError) as e:  # the sandbox's own limits (range, recursion)
+        what = "recursion too deep" if isinstance(e, RecursionError) else str(e) or type(e).__name__
+        raise ChatTemplateError(f"the model's chat template hit a limit of its sandbox: {what}") from None

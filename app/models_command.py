@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from app.errors import print_progress
 from app.loading import quantize
 from models.catalog import CatalogModel, load_catalog
 from models.compat import PairCheck, check_pair
@@ -68,10 +69,6 @@ def format_size(n: float | None) -> str:
     raise AssertionError
 
 
-def _status(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 class StderrBar:
     """Download progress on stderr: one line redrawn in place on a terminal, 10% steps otherwise (logs, pipes)."""
 
@@ -112,7 +109,7 @@ def _pull(args: argparse.Namespace) -> int:
     bar = StderrBar()
     pulled: list[StoredModel] = []
     for model in models:
-        _status(f"pulling {model.alias} from {model.repo}")
+        print_progress(f"pulling {model.alias} from {model.repo}")
         stored = pull(model, progress=bar, offline=_offline(args))
         pulled.append(stored)
         print(f"{stored.alias}: {stored.path}")
@@ -129,7 +126,7 @@ def _pull(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     models, warning = local_models()
     if warning:
-        _status(f"specchat: warning: {warning}")
+        print_progress(f"specchat: warning: {warning}")
     if not models:
         print("no local models yet: `specchat models pairs` lists what `specchat models pull` can fetch")
         return 0
@@ -174,7 +171,7 @@ def _pairs(args: argparse.Namespace) -> int:
 # --- info / check ---------------------------------------------------------------------------------------------------
 
 def _info(args: argparse.Namespace) -> int:
-    header = model_header(args.ref, _status, _offline(args), quantize)
+    header = model_header(args.ref, print_progress, _offline(args), quantize)
     data = {**header.info.summary(), "source": header.source}
     if args.json:
         print(json.dumps(data))
@@ -185,8 +182,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    target = model_header(args.target, _status, _offline(args), quantize)
-    draft = model_header(args.draft, _status, _offline(args), quantize)
+    target = model_header(args.target, print_progress, _offline(args), quantize)
+    draft = model_header(args.draft, print_progress, _offline(args), quantize)
     for role, ref, h in (("target", args.target, target), ("draft", args.draft, draft)):
         print(f"{role}: {ref} = {h.info.path.name} ({h.info.architecture}, {h.info.vocab_size} tokens; {h.source})")
     result = check_pair(target.info, draft.info)
@@ -211,14 +208,14 @@ def _derive(args: argparse.Namespace) -> int:
     quant = args.quant.upper()
     if quant not in QUANT_TYPES:
         raise ModelError(f"unknown quantization {args.quant!r}; choose one of {', '.join(QUANT_TYPES)}")
-    src = resolve_model(args.ref, _status, quantize)
+    src = resolve_model(args.ref, print_progress, quantize)
     source = validate_gguf(src)
     name = _base_name(args.ref, src, source)
     out = Path(args.output).expanduser() if args.output else data_dir() / "derived" / f"{name}-{quant}.gguf"
     if out.exists() and out.resolve() == src.resolve():
         raise ModelError(f"{out}: the output would overwrite the source model")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _status(f"deriving {out.name} from {src.name} ({source.quantization} -> {quant}) with llama_model_quantize")
+    print_progress(f"deriving {out.name} from {src.name} ({source.quantization} -> {quant}) with llama_model_quantize")
     quantize(src, out, quant)
     derived = validate_gguf(out)
     alias = args.alias or f"{name}-{quant.lower()}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from app.chat_template import ChatMessage, render_chat
+from app.chat_template import ChatMessage, ChatTemplateError, render_chat
 
 if TYPE_CHECKING:
     from backends.engine import Engine
@@ -51,7 +51,10 @@ class PromptFormat:
         info, model = self.engine.target_info, self.engine.target_model
         bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
         eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
-        return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools)
+        try:
+            return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools)
+        except ChatTemplateError as e:  # which model's template: the file it came from
+            raise ChatTemplateError(f"{self.engine.config.target.name}: {e}") from None
 
     def tokens(self, messages: Sequence[ChatMessage], system_prompt: str = "",
                tools: Sequence[dict] | None = None) -> list[int]:

@@ -26,7 +26,7 @@ from backends.config import AUTO_K_MAX, StrategyOptions
 from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
-from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec
+from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.suffix import DEFAULT_MAX_TOKENS, SuffixStore, memory_file, suffix_cache_dir
@@ -36,7 +36,6 @@ from models.errors import ModelError
 from models.gguf_info import validate_gguf
 from models.paths import data_dir
 
-__all__ = ["Engine", "EngineConfig", "StrategyOptions", "STRATEGIES", "NEEDS_DRAFT", "n_seq_needed"]
 COST_CACHE_FILE = "device-cost.json"
 LEARNT_FILE = "learnt.json"  # beside the cost cache: what strategies learnt (auto's acceptance estimates)
 
@@ -86,8 +85,9 @@ class Engine:
                              f"{max_sequences()} llama.cpp allows (lookahead needs W+G+1, a tree one per path)")
         self.config = config
         self.target_info = validate_gguf(config.target)
-        if config.draft is not None:
-            require_compatible(self.target_info, validate_gguf(config.draft))
+        draft_info = validate_gguf(config.draft) if config.draft is not None else None
+        if draft_info is not None:
+            require_compatible(self.target_info, draft_info)
         n_par = config.n_parallel
         ctx_config = ContextConfig(n_ctx=config.n_ctx * n_par, n_batch=config.n_batch, n_threads=config.threads)
         # llama.cpp aborts when a context has more sequences than batch rows (n_outputs_max): never ask it to.
@@ -98,12 +98,12 @@ class Engine:
         self.target_lane: Lane = None  # type: ignore[assignment]
         self.draft_lane: Lane | None = None
         try:
-            self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc)
+            self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc, info=self.target_info)
             # Alone, a prompt fills whole batches; beside others, half of one, so they wait one chunk at most.
             chunk = None if n_par == 1 else config.n_batch // 2
             self.target_lane = Lane(LlamaContext(self.target_model, ctx_config), ids, chunk)
             if config.draft is not None:
-                self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft)
+                self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft, info=draft_info)
                 self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded

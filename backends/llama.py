@@ -87,7 +87,7 @@ def default_threads() -> int:
 class LlamaModel:
     """Weights and vocabulary of one GGUF file."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, rpc: Sequence[str] = ()) -> None:
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, rpc: Sequence[str] = (), info: object = None) -> None:
         """Load `path` with `n_gpu_layers` layers offloaded (llama.cpp's -ngl; negative: all).
 
         With `rpc` (HOST:PORT endpoints of llama.cpp RPC servers) the offloaded
@@ -101,7 +101,7 @@ class LlamaModel:
         ModelError line instead of ggml aborting the process.
         """
         self.path = Path(path)
-        self.info = validate_gguf(self.path)
+        self.info = info if info is not None else validate_gguf(self.path)  # the caller may have checked it
         self.rpc: tuple[str, ...] = tuple(rpc)
         ensure_backend()
         params = llama_cpp.llama_model_default_params()

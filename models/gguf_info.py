@@ -96,13 +96,17 @@ def _check_tensors(where: str, header: GGUFHeader, size: int) -> None:
 
 
 def _check_vocab(where: str, tokens: tuple[str, ...]) -> None:
-    if len(set(tokens)) == len(tokens):
+    """Every token unique as llama.cpp reads it: as a C string, up to its first NUL byte (two tokens that differ
+    only after one are the same token to llama.cpp, whose vocabulary loader then aborts the process)."""
+    read = [tok.split("\0", 1)[0] for tok in tokens]
+    if len(set(read)) == len(read):
         return
     seen: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
+    for i, tok in enumerate(read):
         if tok in seen:
+            why = "" if tokens[i] == tokens[seen[tok]] else " (llama.cpp reads a token only up to a NUL byte)"
             raise ModelError(
-                f"{where}: malformed vocabulary: token {tok!r} appears twice (ids {seen[tok]} and {i})"
+                f"{where}: malformed vocabulary: token {tok!r} appears twice (ids {seen[tok]} and {i}){why}"
             )
         seen[tok] = i
 

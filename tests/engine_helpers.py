@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
 from backends.sampling import GenParams
 

@@ -14,7 +14,8 @@ from app.cli import build_parser
 from app.conversations import Conversation, ConversationStore
 from app.session import ChatSession, TurnRequest, estimated_cut, first_fitting_cut
 from app.settings import Settings, load_settings, save_settings
-from backends.engine import Engine, EngineConfig, StrategyOptions
+from backends.engine import Engine, EngineConfig
+from backends.config import StrategyOptions
 from backends.events import Done, until_done
 from backends.sampling import GenParams
 from backends.strategies.lookup import LookupConfig

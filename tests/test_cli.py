@@ -213,3 +213,20 @@ def test_json_schema_and_grammar_file_shape_the_output(tiny, tmp_path) -> None:
                 ["--json-schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}']):
         r = _cli("run", "the cat", "-m", str(tiny.json_target), "-n", "10", *bad)
         assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_chat_template_that_hits_the_sandboxs_limits_is_one_line_naming_the_model(tmp_path) -> None:
+    """Templates are code from downloaded files: a huge range, endless recursion or a memory bomb in one is
+    one error line that names the model file, never a raw OverflowError or a killed process."""
+    from gguf_factory import write_llama_gguf
+
+    bombs = {"range": "{% for i in range(10**10) %}x{% endfor %}",
+             "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+             "memory": "{{ 'a' * 10**10 }}{{ messages[0]['content'] }}"}
+    for name, template in bombs.items():
+        model = write_llama_gguf(tmp_path / f"bomb-{name}.gguf", chat_template=template)
+        r = _cli("run", "hello", "-m", str(model), "-n", "4")
+        assert r.returncode == 1, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"bomb-{name}.gguf" in lines[0] and "chat template" in lines[0], r.stderr
+        assert "OverflowError" not in lines[0] and "RecursionError" not in lines[0]

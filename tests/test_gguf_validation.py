@@ -37,6 +37,10 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory, tiny) -> dict[str, Path]
     dup = Vocab(v.tokens[:-1] + (v.tokens[-2],), v.scores, v.types)
     files["duplicate_vocab"] = write_llama_gguf(d / "dup.gguf", vocab=dup)
     files["unknown_arch"] = write_llama_gguf(d / "arch.gguf", architecture="no-such-arch")
+    # A token that differs from another only after a NUL byte: llama.cpp reads both as the same C string and
+    # its vocabulary loader aborts the process (GGML_ASSERT id_to_token.size() == token_to_id.size()).
+    nul = Vocab(v.tokens[:-1] + (v.tokens[-2] + "\0\0\x01ble",), v.scores, v.types)
+    files["nul_in_token"] = write_llama_gguf(d / "nul.gguf", vocab=nul)
     return files
 
 
@@ -47,6 +51,7 @@ EXPECTED_MESSAGES = {
     "truncated_data": "truncated GGUF: tensor",
     "duplicate_vocab": "appears twice",
     "unknown_arch": "unknown model architecture 'no-such-arch'",
+    "nul_in_token": "llama.cpp reads a token only up to a NUL byte",
 }
 
 

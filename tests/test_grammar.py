@@ -16,7 +16,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.grammar import GrammarError, compile_grammar
 from backends.sampling import GenParams, probabilities
 from backends.strategies.lookahead import LookaheadConfig

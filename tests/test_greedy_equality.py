@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
 from engine_helpers import run_to_done

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.kv import KvSequence
 from backends.llama import ContextConfig, LlamaContext
 from backends.sampling import GenParams

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.events import Token
 from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig

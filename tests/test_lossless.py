@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.engine import Engine, StrategyOptions
+from backends.engine import Engine
+from backends.config import StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig

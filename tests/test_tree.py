@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from backends.cost import BatchCost, DeviceCost, best_tree_size
-from backends.engine import Engine, EngineConfig, StrategyOptions
+from backends.engine import Engine, EngineConfig
+from backends.config import StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.tree import AUTO, AUTO_K_MAX, TreeConfig, TreeSpeculation
 from engine_helpers import run_to_done

@@ -17,7 +17,8 @@ from textual.widgets import Markdown, Static
 from app.cli import main
 from app.render import TRUECOLOR
 from app.settings import Settings, load_settings
-from app.tui.streaming import Pacer, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.messages import PromptDecoded, TokensArrived, TurnFinished
+from app.tui.streaming import Pacer, stream_events
 from app.tui.transcript import AnswerView, ColouredText, Transcript, UserMessage
 from backends.engine import Engine, EngineConfig
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, GenStats, Prefilled, StepEnd, Token

@@ -106,3 +106,25 @@ def test_escape_cancels_a_download_and_the_next_pull_resumes(catalog_hub: FakeHu
             assert resumed.range is not None and int(resumed.range.split("=")[1].split("-")[0]) >= 900_000
 
     asyncio.run(scenario())
+
+
+def test_the_bundled_target_shows_its_drafts_as_soon_as_it_is_highlighted(instruct_pair, tiny, tmp_path) -> None:
+    """F6 on a machine with the SmolLM2 pair built: moving onto `smollm2` lists `smollm2-draft` as a draft at
+    once (the pane used to stay empty until a target was picked with Enter)."""
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_loaded(pilot)
+            await pilot.press("f6")
+            screen = app.screen
+            assert isinstance(screen, ModelsScreen)
+            local = screen.query_one("#local", OptionList)
+            names = [m.name for m in screen.local]
+            local.focus()
+            local.highlighted = names.index("smollm2")
+            await pilot.pause()
+            drafts = _labels(screen.query_one("#drafts", OptionList))
+            assert any(label.startswith("smollm2-draft") and ok for label, ok in drafts.items()), drafts
+            assert screen.query_one("#local", OptionList).has_focus  # highlighting does not move the focus
+
+    asyncio.run(scenario())

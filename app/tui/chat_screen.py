@@ -25,7 +25,6 @@ from typing import Callable, TypeVar
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, ProgressBar
@@ -39,7 +38,9 @@ from app.tui.history_screen import HistoryScreen
 from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
 from app.tui.stats_bar import StatsBar, turn_label
-from app.tui.streaming import LiveStats, Pacer, PromptDecoded, TokensArrived, TurnFinished, stream_events
+from app.tui.messages import (BaselineMeasured, LoadFailed, LoadProgress, ModelLoaded, PromptDecoded, TokensArrived,
+                              TurnFailed, TurnFinished)
+from app.tui.streaming import LiveStats, Pacer, stream_events
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
 from backends.engine import Engine
@@ -51,36 +52,6 @@ T = TypeVar("T")
 
 # Settings whose change needs the models loaded again.
 RELOAD_FIELDS = ("target", "draft", "n_ctx", "n_batch", "threads", "n_gpu_layers", "n_gpu_layers_draft", "rpc")
-
-
-class LoadProgress(Message):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-
-class ModelLoaded(Message):
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
-
-
-class LoadFailed(Message):
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
-
-
-class BaselineMeasured(Message):
-    def __init__(self, tokens_per_second: float) -> None:
-        super().__init__()
-        self.tokens_per_second = tokens_per_second
-
-
-class TurnFailed(Message):
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
 
 
 class ChatScreen(Screen):

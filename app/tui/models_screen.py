@@ -21,6 +21,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 
+from app.errors import describe
 from app.models_command import format_size
 from models.catalog import load_catalog
 from models.compat import check_pair
@@ -126,7 +127,15 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         elif list_id == "catalog" and option_id is not None:
             self.start_pull(option_id)
 
-    def show_drafts(self, target: LocalModel) -> None:
+    def on_option_list_option_highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        """Moving through the local models shows each one's drafts at once (Enter then picks the pair): the pane
+        was empty until a target was chosen, so a bundled pair looked as if it had no draft."""
+        if event.option_list.id == "local" and event.option.id is not None:
+            model = self.local[int(event.option.id)]
+            if model.info is not None:
+                self.show_drafts(model, focus=False)
+
+    def show_drafts(self, target: LocalModel, focus: bool = True) -> None:
         """Every other usable local model: compatible ones selectable, the rest greyed out with the reason."""
         assert target.info is not None
         self.target = target
@@ -146,7 +155,8 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         # The likely choice first: the first compatible draft, else chatting without one.
         enabled = [i for i in range(drafts.option_count) if not drafts.get_option_at_index(i).disabled]
         drafts.highlighted = enabled[1] if len(enabled) > 1 else 0
-        drafts.focus()
+        if focus:
+            drafts.focus()
 
     # -- downloads ------------------------------------------------------------
 
@@ -181,7 +191,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         except Cancelled:
             self.post_message(PullEnded("cancelled; the partial download is kept and the next pull resumes it"))
         except Exception as e:  # one line in the screen; the app stays open
-            self.post_message(PullEnded(str(e) if isinstance(e, (ModelError, OSError)) else f"{type(e).__name__}: {e}"))
+            self.post_message(PullEnded(describe(e)))
 
     def on_pull_progress(self, message: PullProgress) -> None:
         p = self.last_progress = message.progress

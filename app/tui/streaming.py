@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from textual.message import Message
 
+from app.tui.messages import PromptDecoded, TokensArrived, TurnFinished
 from backends.events import REJECTED, Done, Event, GenStats, Prefilled, StepEnd, Token
 
 UI_BUDGET = 0.02  # the share of one core the UI may spend showing a streaming answer
@@ -109,25 +110,6 @@ class LiveStats:
     def from_stats(cls, stats: GenStats) -> "LiveStats":
         return cls(stats.strategy, stats.generated_tokens, stats.drafted, stats.accepted,
                    stats.target_forwards, stats.decode_seconds, tuple(stats.tokens_by_source.items()))
-
-
-class TokensArrived(Message):
-    def __init__(self, tokens: tuple[Token, ...], live: LiveStats) -> None:
-        super().__init__()
-        self.tokens = tokens
-        self.live = live
-
-
-class PromptDecoded(Message):
-    def __init__(self, prefilled: Prefilled) -> None:
-        super().__init__()
-        self.prefilled = prefilled
-
-
-class TurnFinished(Message):
-    def __init__(self, done: Done) -> None:
-        super().__init__()
-        self.done = done
 
 
 def stream_events(

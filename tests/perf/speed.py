@@ -22,7 +22,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backends.engine import Engine, EngineConfig, StrategyOptions  # noqa: E402
+from backends.engine import Engine, EngineConfig  # noqa: E402
+from backends.config import StrategyOptions  # noqa: E402
 from backends.events import Done  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from backends.strategies.lookahead import LookaheadConfig  # noqa: E402
