@@ -28,13 +28,13 @@ def add_cache_parser(sub: argparse._SubParsersAction, parser_class: type) -> Non
 
 
 def _folder() -> Path | None:
-    from backends.suffix import suffix_cache_dir
+    from backends.suffix_file import suffix_cache_dir
 
     return suffix_cache_dir(None)
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from backends.suffix import counters_path, describe_file
+    from backends.suffix_file import counters_path, describe_file
 
     folder = _folder()
     if folder is None:

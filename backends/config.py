@@ -13,7 +13,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class SpsConfig:
-    # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (README).
+    # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (docs/results.md, "Earlier measurements").
     draft_max: int = 6
     p_min: float = 0.4
     adaptive: bool = True
@@ -40,7 +40,7 @@ class LookupConfig:
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    # Defaults: the best of a sweep on a 2-core CPU with the demo pair (README).
+    # Defaults: the best of a sweep on a 2-core CPU with the demo pair (docs/results.md, "Earlier measurements").
     window: int = 2  # W
     ngram: int = 3  # N
     guesses: int = 2  # G

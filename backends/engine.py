@@ -29,7 +29,8 @@ from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, 
 from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
-from backends.suffix import DEFAULT_MAX_TOKENS, SuffixStore, memory_file, suffix_cache_dir
+from backends.suffix import DEFAULT_MAX_TOKENS, SuffixStore
+from backends.suffix_file import memory_file, suffix_cache_dir
 from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
 from models.errors import ModelError

@@ -75,7 +75,7 @@ class StepEnd:
 
 @dataclass(frozen=True)
 class GenStats:
-    """Totals of one generation (README: `--json`'s stats)."""
+    """Totals of one generation (docs/cli.md: `--json`'s stats)."""
 
     strategy: str
     prompt_tokens: int

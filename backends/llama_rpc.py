@@ -2,7 +2,8 @@
 
 The other half of the llama.cpp binding (backends/llama.py holds models,
 contexts and batches); these two modules are the only ones that import
-`llama_cpp`.
+`llama_cpp`. About 500 lines: the RPC client, its server and the checks
+that turn ggml's aborts into one line share the same ctypes surface.
 
 RPC (`--rpc HOST:PORT`, `specchat rpc-server`): the target's layers can run on
 llama.cpp RPC servers while the draft stays on this machine. llama-cpp-python

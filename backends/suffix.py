@@ -20,27 +20,15 @@ are merged into a tree whose node frequencies are the share of occurrences
 through them. Documents added since the last index build are searched in a
 small dict index until the next rebuild.
 
-On disk (`SuffixFile`): a header (magic, format version, the vocabulary's
-hash, its size) and then records, each a document: length, CRC-32, tokens.
-Adding a document appends one record (flushed and fsynced off the decode
-path, by a writer thread), so a crash or kill -9 can cut only the last
-record, which the CRC finds and the next load drops. Past its bound
-(`max_tokens`) the store evicts the documents used least recently and
-rewrites the file whole (a temporary file renamed over it, so the old one
-stays until the new one is complete). A file that is not a store, of another
-vocabulary or corrupt is set aside (renamed `.bad`) with one line, and the
-store starts empty. The file is readable by its owner only.
+On disk: backends/suffix_file.py (a file per vocabulary, appended to, never
+left half-written).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import queue
-import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -48,12 +36,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from backends.config import SUFFIX_CACHE_TOKENS
-from models.paths import data_dir
+from backends.suffix_file import (SuffixFile, SuffixStoreError, counters_path, read_counters,
+                                   write_counters)
 
-MAGIC = b"SPCSUFX1"
-VERSION = 1
-_HEADER = struct.Struct("<8sI32sI")  # magic, version, vocabulary hash (sha256), vocabulary size
-_RECORD = struct.Struct("<II")  # tokens in the record, CRC-32 of their bytes
 SEP = -1
 BITS = 20  # token ids below 2^20 (1,048,576) fit three to an int64 key
 DEFAULT_MAX_TOKENS = SUFFIX_CACHE_TOKENS
@@ -61,27 +46,6 @@ MIN_DOC = 8  # shorter documents teach nothing
 CANDIDATES = 64  # most recent occurrences of the matched n-gram looked at
 MATCH_MAX = 32  # match lengths counted up to this many tokens back
 REBUILD_PENDING = 20_000  # tokens added since the last index build before it is rebuilt
-
-
-SUFFIX_DIR = "suffix"  # in the data dir: the speculation memory, a file per vocabulary
-
-
-def suffix_cache_dir(configured: Path | None) -> Path | None:
-    """Where the speculation memory lives: as configured, else $SPECCHAT_SUFFIX_CACHE, else the data dir's
-    `suffix/`; "" keeps none."""
-    if configured is None:
-        env = os.environ.get("SPECCHAT_SUFFIX_CACHE")
-        configured = Path(env) if env is not None else data_dir() / SUFFIX_DIR
-    return configured if str(configured) not in ("", ".") else None
-
-
-def memory_file(folder: Path, vocab_hash: bytes) -> Path:
-    return folder / f"memory-{vocab_hash.hex()[:16]}.bin"
-
-
-
-class SuffixStoreError(ValueError):
-    """A store file that cannot be used (not a store, another vocabulary, corrupt): said in one line."""
 
 
 @dataclass
@@ -104,17 +68,17 @@ class Continuations:
 
     def best_chain(self, limit: int) -> tuple[list[int], list[float]]:
         """The likeliest path from the root, up to `limit` tokens, with each node's share."""
+        best_child: dict[int, int] = {}  # parent -> its likeliest child (parents come first: one pass)
+        for i, p in enumerate(self.parents):
+            if p not in best_child or self.probs[i] > self.probs[best_child[p]]:
+                best_child[p] = i
         chain: list[int] = []
         probs: list[float] = []
-        parent = -1
-        while len(chain) < limit:
-            kids = [i for i, p in enumerate(self.parents) if p == parent]
-            if not kids:
-                break
-            best = max(kids, key=lambda i: self.probs[i])
-            chain.append(self.tokens[best])
-            probs.append(self.probs[best])
-            parent = best
+        node = best_child.get(-1)
+        while node is not None and len(chain) < limit:
+            chain.append(self.tokens[node])
+            probs.append(self.probs[node])
+            node = best_child.get(node)
         return chain, probs
 
     def path(self, i: int) -> list[int]:
@@ -188,86 +152,6 @@ class _Index:
         keys = self.keys[n - 1]
         lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
         return self.positions[n - 1][lo:hi]
-
-
-class SuffixFile:
-    """The store's file: header, then one record per document (see the module's docstring)."""
-
-    def __init__(self, path: Path, vocab_hash: bytes, n_vocab: int) -> None:
-        self.path = path
-        self.vocab_hash = vocab_hash
-        self.n_vocab = n_vocab
-
-    def header(self) -> bytes:
-        return _HEADER.pack(MAGIC, VERSION, self.vocab_hash, self.n_vocab)
-
-    def read(self) -> tuple[list[np.ndarray], bool]:
-        """The documents, and whether a cut last record was dropped. Raises SuffixStoreError for a file that is
-        not this vocabulary's store."""
-        data = self.path.read_bytes()
-        if len(data) < _HEADER.size:
-            raise SuffixStoreError(f"{self.path}: too short to be a speculation memory file")
-        magic, version, vocab_hash, n_vocab = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise SuffixStoreError(f"{self.path}: not a speculation memory file")
-        if version != VERSION:
-            raise SuffixStoreError(f"{self.path}: format {version}, this specchat reads {VERSION}")
-        if vocab_hash != self.vocab_hash or n_vocab != self.n_vocab:
-            raise SuffixStoreError(f"{self.path}: written for another vocabulary")
-        docs: list[np.ndarray] = []
-        at = _HEADER.size
-        while at < len(data):
-            if at + _RECORD.size > len(data):
-                return docs, True
-            n, crc = _RECORD.unpack_from(data, at)
-            body = data[at + _RECORD.size: at + _RECORD.size + 4 * n]
-            if len(body) < 4 * n:
-                return docs, True  # cut by a crash mid-write: the records before it are whole
-            if zlib.crc32(body) != crc:
-                if at + _RECORD.size + 4 * n >= len(data):
-                    return docs, True
-                raise SuffixStoreError(f"{self.path}: a damaged record in the middle")
-            doc = np.frombuffer(body, dtype="<u4").astype(np.int64)
-            if doc.size and int(doc.max()) >= self.n_vocab:
-                raise SuffixStoreError(f"{self.path}: token ids outside the vocabulary")
-            docs.append(doc)
-            at += _RECORD.size + 4 * n
-        return docs, False
-
-    @staticmethod
-    def record(doc: Sequence[int]) -> bytes:
-        body = np.asarray(doc, dtype="<u4").tobytes()
-        return _RECORD.pack(len(doc), zlib.crc32(body)) + body
-
-    def append(self, docs: Sequence[Sequence[int]]) -> None:
-        new = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            if new or os.fstat(fd).st_size == 0:
-                os.write(fd, self.header())
-            os.write(fd, b"".join(self.record(d) for d in docs))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def rewrite(self, docs: Sequence[Sequence[int]]) -> None:
-        """The whole file anew: written beside it, synced, then renamed over it (the old one stays whole until
-        then)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, self.header() + b"".join(self.record(d) for d in docs))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-
-    def set_aside(self) -> Path:
-        bad = self.path.with_name(self.path.name + f".bad-{int(time.time())}")
-        os.replace(self.path, bad)
-        return bad
 
 
 class SuffixStore:
@@ -454,13 +338,15 @@ class SuffixStore:
     # -- looking up ---------------------------------------------------------------
 
     def continuations(self, context: Sequence[int], max_depth: int, max_nodes: int,
-                      extra: Sequence[tuple[Sequence[int], float]] = ()) -> Continuations:
+                      extra: Sequence[tuple[Sequence[int], float]] = (), min_match: int = 1) -> Continuations:
         """What followed the longest suffix of `context` seen before, as a tree of at most `max_nodes` nodes
-        and `max_depth` levels; `extra` adds continuations found elsewhere (the current request), weighed."""
+        and `max_depth` levels; `extra` adds continuations found elsewhere (the current request), weighed.
+        Only earlier occurrences that match at least `min_match` tokens back count (`auto` asks for a few:
+        a short match proposes text that seldom goes on the same way, and costs the step its lookup)."""
         t0 = time.perf_counter()
         with self._lock:
             self._load()
-            seqs, weights, match = self._candidates(context, max_depth)
+            seqs, weights, match = self._candidates(context, max_depth, min_match)
         seqs += [list(s)[:max_depth] for s, _w in extra]
         weights += [w for _s, w in extra]
         self.lookups += 1
@@ -472,7 +358,8 @@ class SuffixStore:
         self.lookup_seconds += time.perf_counter() - t0
         return out
 
-    def _candidates(self, context: Sequence[int], depth: int) -> tuple[list[list[int]], list[float], int]:
+    def _candidates(self, context: Sequence[int], depth: int,
+                    min_match: int = 1) -> tuple[list[list[int]], list[float], int]:
         index = self._index
         if index is None or len(context) < 1:
             return [], [], 0
@@ -484,6 +371,8 @@ class SuffixStore:
             if len(ends) or recent:
                 break
         else:
+            return [], [], 0
+        if n < min(min_match, 3):  # no longer n-gram occurs, so no match can reach back min_match tokens
             return [], [], 0
         tokens = index.tokens
         seqs: list[list[int]] = []
@@ -502,16 +391,18 @@ class SuffixStore:
                 want[:avail] = ctx[-n - 1::-1][:avail]
             same = np.cumprod(prev == want[None, :], axis=1)
             lengths = n + same.sum(axis=1)
+            if min_match > n:
+                keep_ends = lengths >= min_match
+                ends, lengths = ends[keep_ends], lengths[keep_ends]
             follow = ends[:, None] + 1 + np.arange(depth)[None, :]
             inside = follow < len(tokens)
             cont = np.where(inside, tokens[np.clip(follow, 0, len(tokens) - 1)], SEP)
-            for row, length, end in zip(cont, lengths, ends):
-                stop = np.flatnonzero(row < 0)
-                row = row[: stop[0]] if len(stop) else row
-                if len(row):
-                    seqs.append(row.tolist())
+            stops = np.where((cont < 0).any(axis=1), (cont < 0).argmax(axis=1), depth)  # a row ends at its doc's end
+            for row, stop, length, end in zip(cont.tolist(), stops.tolist(), lengths.tolist(), ends.tolist()):
+                if stop:
+                    seqs.append(row[:stop])
                     weights.append(float(length))  # a longer match is likelier to go on the same way
-                    best = max(best, int(length))
+                    best = max(best, length)
                     self._used[int(self._doc_of_pos[end])] = self._tick()
         tail = [int(t) for t in ctx[::-1]]  # the context backwards, from its last token
         for doc, end in recent[-CANDIDATES:]:
@@ -523,6 +414,8 @@ class SuffixStore:
             while length < n + MATCH_MAX and end - length >= 0 and length < len(tail) \
                     and int(d[end - length]) == tail[length]:
                 length += 1
+            if length < min_match:
+                continue
             seqs.append(row.tolist())
             weights.append(float(length))
             best = max(best, length)
@@ -554,44 +447,3 @@ class SuffixStore:
                     "lookup_ms": round(1e3 * self.lookup_seconds / self.lookups, 4) if self.lookups else 0.0}
 
 
-def counters_path(store: Path) -> Path:
-    return store.with_name(store.name + ".stats.json")
-
-
-def read_counters(store: Path) -> dict[str, int]:
-    """The counters kept beside a store file (nothing, for a missing or unreadable one)."""
-    try:
-        data = json.loads(counters_path(store).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return {k: int(v) for k, v in data.items() if isinstance(v, int) and v >= 0} if isinstance(data, dict) else {}
-
-
-def write_counters(store: Path, counters: dict[str, int]) -> None:
-    path = counters_path(store)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(counters).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def describe_file(path: Path) -> dict[str, object]:
-    """What `specchat cache stats` shows of a store file, read without its model: documents, tokens, size and
-    the kept counters; or the reason it cannot be read."""
-    info: dict[str, object] = {"path": str(path), "file_bytes": path.stat().st_size}
-    try:
-        data = path.read_bytes()
-        magic, version, vocab_hash, n_vocab = _HEADER.unpack_from(data)
-        if magic != MAGIC or version != VERSION:
-            raise SuffixStoreError("not a speculation memory file of this version")
-        docs, cut = SuffixFile(path, vocab_hash, n_vocab).read()
-    except (SuffixStoreError, OSError, struct.error) as e:
-        return {**info, "error": str(e)}
-    c = read_counters(path)
-    return {**info, "vocabulary": vocab_hash.hex()[:16], "n_vocab": n_vocab, "documents": len(docs),
-            "tokens": int(sum(len(d) for d in docs)), "cut_record": cut, **c,
-            "hit_rate": round(c.get("hits", 0) / c["lookups"], 4) if c.get("lookups") else None,
-            "acceptance": round(c.get("accepted", 0) / c["proposed"], 4) if c.get("proposed") else None}

