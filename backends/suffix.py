@@ -343,6 +343,8 @@ class SuffixStore:
         and `max_depth` levels; `extra` adds continuations found elsewhere (the current request), weighed.
         Only earlier occurrences that match at least `min_match` tokens back count (`auto` asks for a few:
         a short match proposes text that seldom goes on the same way, and costs the step its lookup)."""
+        if max_depth < 1:  # no room left to propose anything
+            return Continuations()
         t0 = time.perf_counter()
         with self._lock:
             self._load()

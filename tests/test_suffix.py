@@ -245,3 +245,17 @@ def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(ti
     cleared = _run(["cache", "clear"], env)
     assert cleared.returncode == 0 and "cleared 1" in cleared.stdout
     assert "empty" in _run(["cache", "stats"], env).stdout
+
+
+def test_the_memory_at_the_end_of_the_room_proposes_nothing_and_fails_nothing(memory_engine: Engine) -> None:
+    """With one token of room left (max_tokens reached but for one, a full context), a memory that knows the
+    continuation has nothing to propose: the generation ends as ar's does (a lookup of depth 0 once raised)."""
+    prompt = memory_engine.tokenize("the cat sat on the mat")
+    memory = memory_engine.memory()
+    assert memory is not None
+    for n in (1, 2, 3):
+        alone = run_to_done(memory_engine, "ar", prompt, GenParams(max_tokens=n))  # remembered
+        memory._rebuild()  # into the sorted index, as a memory loaded from its file is
+        for strategy in ("auto", "suffix"):
+            assert run_to_done(memory_engine, strategy, prompt, GenParams(max_tokens=n)).tokens == alone.tokens
+    assert not memory.continuations(prompt, 0, 8).tokens

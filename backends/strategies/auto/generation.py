@@ -433,7 +433,7 @@ class _Generation:
                                                           MATCH_EXTEND)
             lookup = run.valid_prefix(lookup)
         memory: tuple[list[int], list[float], int] = ([], [], 0)
-        if self.memory is not None:
+        if self.memory is not None and run.room() > 1:
             tree = self.memory.continuations(run.context, min(self.cfg.draft_max, run.room() - 1), 32,
                                              min_match=MEMORY_MIN_MATCH)
             chain, shares = tree.best_chain(self.cfg.draft_max)
