@@ -7,7 +7,14 @@ The options of one step:
   - a draft-model chain (Leviathan et al. 2023), drafted token by token and
     stopped where the draft's confidence no longer pays;
   - a lookahead step (Fu et al. 2024): lookahead.cpp's window and n-gram pool
-    batch (backends.strategies.lookahead.LookaheadWindow), when it pays.
+    batch (backends.strategies.lookahead.LookaheadWindow), when it pays;
+  - a continuation from the speculation memory (backends.suffix, after
+    SuffixDecoding): the likeliest path of what followed the current suffix
+    in earlier outputs, verified as one chain, its acceptance learnt by match
+    length, the share of occurrences that went its way, and position.
+Under a grammar, the stretch the grammar forces comes first, verified as a
+chain of its canonical tokens (certain: the mask allows nothing else), and
+lookup's and the memory's proposals are cut where the grammar refuses them.
 
 How it decides. Maximising a ratio (tokens / seconds) step by step is done
 with Dinkelbach's transform: with R the throughput this engine reaches (the
