@@ -38,10 +38,11 @@ CHAIN_LAG = 2
 # Before it is measured, a caught-up token costs this share of one draft decode (a batched decode of
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
-# The speculation memory is consulted only for earlier text that matches this many tokens back: shorter
-# matches are common where nothing repeats (a trigram of code or prose), seldom go on the same way, and each
-# costs the step a lookup (on the chat and builtin prompts, consulting every match ran at 0.97x and 0.94x
-# auto without the memory; docs/results.md, "Speculation memory").
+# The speculation memory is consulted only for earlier text that matches at least this many tokens back:
+# one-token matches are everywhere where nothing repeats, seldom go on the same way, and each costs the step a
+# lookup (consulting every match, the chat and builtin prompts ran at 0.97x and 0.94x auto without the memory;
+# docs/results.md, "Speculation memory"). A calibration of the memory's estimates within the answer, as
+# lookup's, was tried too: it cut exact repeats from 5.1x to 3.7x ar, and was dropped.
 MEMORY_MIN_MATCH = 2
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 TRYING = "trying it (its estimate is stale)"  # the reason given for a try: "<option> — TRYING"
@@ -82,10 +83,6 @@ class _Generation:
         self.lookup_keys: list[tuple[int, int]] = []
         self.lookup_accept: list[float] = []
         self.lookup_calibration = Calibration()
-        # The memory's counts pool text that repeats (a skeleton) with text that only recurs in places: as for
-        # lookup, what its steps really give is compared with what the counts predicted, within the answer.
-        self.memory_accept: list[float] = []
-        self.memory_calibration = Calibration()
         self._why_text, self._why_option, self._why_step = "", "", 0
         if self.state.temperature != params.temperature:  # what the tries confirmed held at another temperature
             self.state.backoff.clear()
@@ -215,9 +212,7 @@ class _Generation:
         chain, shares, mem_match = memory
         if chain and room > 0:
             self.memory_keys = [memory_key(mem_match, s, i) for i, s in enumerate(shares[:room])]
-            self.memory_accept = [st.memory.p(key) for key in self.memory_keys]
-            accept = list(self.memory_accept)
-            accept[0] = min(accept[0] * self.memory_calibration.factor(), 0.99)
+            accept = [st.memory.p(key) for key in self.memory_keys]
             k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative)
             options.append(Choice(MEMORY, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(MEMORY, accept[0], t_plain, 0.0))
@@ -460,8 +455,6 @@ class _Generation:
             yield from self._chain(proposed, None, MEMORY, choice, self.memory_keys[:choice.length])
             assert self.memory is not None
             self.memory.record(len(proposed), min(len(run.output) - before - 1, len(proposed)))
-            self.memory_calibration.add(len(run.output) - before - 1,
-                                        expected_chain_tokens(self.memory_accept, choice.length) - 1)
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
                                    self.lookup_keys[:choice.length])
