@@ -73,6 +73,10 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--repeats must be at least 1")
     prompts = load_prompt_set(args.prompts, args.limit)
     configs = build_configs(names, options, args.sweep, args.control)
+    if args.requests is not None and args.clients is None:
+        raise ValueError("--requests is for the load bench: give --clients too")
+    if args.requests is not None and args.requests < 1:
+        raise ValueError("--requests must be at least 1")
     if args.clients is not None:
         return load_bench(args, settings, prompts, configs)
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
@@ -178,6 +182,8 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
     target, draft = engine.config.target, engine.config.draft
     try:
         tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
+        if args.requests is not None:  # the prompts in turn, N requests in all
+            tokenized = [tokenized[i % len(tokenized)] for i in range(args.requests)]
         rows_max = min(settings.n_batch, max(args.cost_k_max, 16 * parallel))
         print_progress(f"measuring the batch cost curve (k = 1..{rows_max})")
         cost = engine.measure_now(tokenized[0], rows_max)
@@ -188,6 +194,7 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
     report = {
         **_report_head(args, params, target, draft, prompts, tokenized),
         "clients": clients,
+        "requests": len(tokenized),
         "batch_cost": cost.batch.as_list() if cost else None,
         "load": rows,
     }

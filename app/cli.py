@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="load bench: C clients at once for each C in LIST (e.g. 1,2,4,8), each sending the "
                             "prompts one after another through the server's batching scheduler: aggregate tok/s, "
                             "time to first token, per-request tok/s (default: one sequence at a time)")
+    bench.add_argument("--requests", type=int, default=None, metavar="N",
+                       help="load bench: N requests in all, the prompts taken in turn (default: each prompt once). "
+                            "More requests than clients keep every client busy, as a server in steady use is; "
+                            "with one wave, its slowest request sets the end")
     bench.add_argument("--out", default="specchat-bench", help="folder for bench.json and bench.png")
     bench.add_argument("--raw", action="store_true",
                        help="send the prompts as they are, without the model's chat template")

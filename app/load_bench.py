@@ -9,6 +9,13 @@ reports the aggregate tokens per second (all output tokens over the wall
 time), p50/p95 time to first token (from the moment a client sends to its
 first token) and the median tokens per second of one request.
 
+By default each prompt is one request: with as many clients as prompts that
+is one wave, and its slowest request sets the end (a strategy that finishes
+some requests early leaves the batch small at the end: measured, `auto` at 8
+clients in one wave 0.91-0.96x `ar` while faster per step, docs/results.md).
+`--requests N` sends N requests in all, the prompts in turn, so the clients
+stay busy as a server's in steady use are.
+
 Interleaved as the single-sequence bench is: within each repeat the client
 counts and the configurations take turns going first, and each
 configuration's aggregate is compared with `ar`'s at the same client count

@@ -164,3 +164,24 @@ def test_load_bench_refuses_bad_client_lists(tiny, tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "--clients", bad,
                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--clients" in r.stderr, r.stderr
+    for bad in (["--requests", "0", "--clients", "2"], ["--requests", "4"]):
+        r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), *bad, "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--requests" in r.stderr, r.stderr
+
+
+def test_load_bench_requests_take_the_prompts_in_turn(tiny, tmp_path: Path) -> None:
+    """`--requests 5` with 2 prompts: five requests in all (a steady load instead of one wave); the run fails
+    unless every one of them ends (app.load_bench.run_load), and ar steps one token per forward."""
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-md", str(tiny.draft), "-s", "ar,sps",
+         "--clients", "2", "--requests", "5", "--repeats", "1", "--limit", "2", "-n", "12", "-t", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["requests"] == 5 and len(report["prompts"]) == 2
+    rows = {row["label"]: row for row in report["load"]}
+    assert rows["ar"]["tokens_per_forward"] == pytest.approx(1.0, abs=0.05)
+    assert all(row["aggregate_tokens_per_second"] > 0 for row in rows.values())
