@@ -17,6 +17,10 @@ same vendored llama.cpp). Servers, with their flags:
         --server "specchat ar=-s ar" --server "specchat auto=-s auto" \\
         --server "llama-server=" --server "llama-server draft=-md DRAFT --spec-draft-n-max 6"
 
+`--requests 24` sends 24 requests in all (the prompts in turn), so that the
+clients stay busy instead of sending one wave whose slowest request sets the
+end.
+
 A server spec is NAME=FLAGS; a name starting with "llama-server" runs llama-server, any other specchat serve;
 DRAFT in the flags is replaced by the draft file.
 """
@@ -154,6 +158,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="N requests in all, the prompts in turn (default: each prompt once: one wave at C = limit)")
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--temp", type=float, default=0.8)
     ap.add_argument("-t", type=int, default=2)
@@ -164,6 +170,8 @@ def main() -> None:
     MODEL_ID[0] = target.stem
     requests = [[{"role": m.role, "content": m.content} for m in p.messages] or [{"role": "user", "content": p.chat_text()}]
                 for p in load_prompt_set("chat", args.limit)]
+    if args.requests is not None:  # clients kept busy, as a server in steady use (each request its own seed)
+        requests = [requests[i % len(requests)] for i in range(args.requests)]
     log_dir = Path(tempfile.mkdtemp(prefix="serve-vs-"))
     specs = [s.split("=", 1) for s in args.server]
     results: dict[tuple[str, int], list[tuple[float, list[float]]]] = {}
