@@ -6,7 +6,9 @@ Three task families of 24 requests each, as people run them day after day:
 - `tool`: an agent's turn that answers with a tool call in a fixed format, 24
   cities.
 1. warm-up, in a process of its own (`--phase warm`): the first 12 requests
-   of each family run with `auto` and the memory on, which remembers them;
+   of each family run with `auto` and the memory on, which remembers them
+   (the device's cost and what `auto` learnt are kept in the bench's own
+   folder, so the second process starts from them and from nothing older);
 2. the second 12 of each family, in this process, with the memory as the
    first process left it (frozen: it does not learn from these runs, so the
    repeats and configurations do not feed each other): `ar`, `auto` without
@@ -80,7 +82,10 @@ def families() -> dict[str, list[list[ChatMessage]]]:
 def open_engine(args: argparse.Namespace, memory: Path | None) -> Engine:
     target = resolve_model(args.m, lambda _m: None, None)
     draft = resolve_model(args.md, lambda _m: None, None) if args.md else None
+    # The device's cost and what auto learnt are kept in the bench's own folder: the second process starts from
+    # what the warm-up kept (as a user's next session does), and the figures do not depend on earlier sessions.
     return Engine(EngineConfig(target, draft, n_ctx=4096, threads=args.t, n_seq_max=64,
+                               cost_cache=memory.parent / "cost.json" if memory is not None else Path(""),
                                suffix_cache=memory if memory is not None else Path("")))
 
 
