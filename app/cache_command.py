@@ -58,11 +58,11 @@ def run_cache(args: argparse.Namespace) -> int:
                       f"proposed tokens accepted {acc}")
         return 0
     targets = files
-    if args.file:
-        path = Path(args.file)
-        chosen = path if path.is_file() else folder / args.file
-        if not chosen.is_file():
-            raise UserError(f"{args.file}: no such memory file (see specchat cache stats)")
+    if args.file:  # one of the memory's own files, by path or by name: never any other file
+        ours = {path.resolve(): path for path in files}
+        chosen = ours.get(Path(args.file).resolve()) or ours.get((folder / args.file).resolve())
+        if chosen is None:
+            raise UserError(f"{args.file}: not a memory file in {folder} (see specchat cache stats)")
         targets = [chosen]
     for path in targets:
         path.unlink()

@@ -242,6 +242,14 @@ def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(ti
     assert json.loads(no.stdout.strip().splitlines()[-1])["stats"]["tokens_by_source"] == \
         done1["stats"]["tokens_by_source"]
     assert json.loads(_run(["cache", "stats", "--json"], env).stdout.splitlines()[0])["documents"] == 1
+    other = tmp_path / "notes.txt"  # `cache clear FILE` deletes the memory's files only, never another file
+    other.write_text("mine")
+    for name in (str(other), "notes.txt", "memory-0000000000000000.bin"):
+        refused = _run(["cache", "clear", name], env)
+        assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert "not a memory file" in refused.stderr
+    assert other.read_text() == "mine"
+    assert json.loads(_run(["cache", "stats", "--json"], env).stdout.splitlines()[0])["documents"] == 1
     cleared = _run(["cache", "clear"], env)
     assert cleared.returncode == 0 and "cleared 1" in cleared.stdout
     assert "empty" in _run(["cache", "stats"], env).stdout
