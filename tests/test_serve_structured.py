@@ -291,3 +291,31 @@ def test_openai_errors_are_raised_by_the_client_for_bad_grammar(plain: Served) -
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
                 "a": {"$ref": "#/nope"}}}}})
     assert "cannot be compiled" in str(e.value)
+
+
+def test_a_tool_named_like_a_tool_choice_keyword_is_just_a_tool() -> None:
+    """Tools may be named "auto", "required" or "none" (the name pattern allows it): the keyword and the name
+    are told apart, so the default choice offers every tool and forces none, and naming one forces that one."""
+    from app.chat_template import ChatMessage
+    from app.serve.tools import grammar_for, parse_tool_choice, parse_tools, prompt_messages
+
+    body = {"tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+                      for name in ("auto", "required", "none", "get_time")]}
+    tools = parse_tools(body)
+    messages = [ChatMessage("user", "hi")]
+    default = parse_tool_choice(body, tools)
+    assert [t["function"]["name"] for t in prompt_messages(messages, tools, default, "hermes")[1]] == \
+        ["auto", "required", "none", "get_time"]
+    kind, schema = grammar_for(tools, default, "generic")
+    assert len(schema["anyOf"]) == 2, "auto: a call or an answer"
+    assert len(schema["anyOf"][0]["properties"]["tool_call"]["anyOf"]) == 4, "any of the four tools"
+    for name in ("auto", "required", "none"):
+        named = parse_tool_choice({**body, "tool_choice": {"type": "function", "function": {"name": name}}}, tools)
+        assert [t["function"]["name"] for t in prompt_messages(messages, tools, named, "hermes")[1]] == [name]
+        kind, schema = grammar_for(tools, named, "generic")
+        assert schema["properties"]["tool_call"]["properties"]["name"] == {"const": name}, "that one, forced"
+    required = parse_tool_choice({**body, "tool_choice": "required"}, tools)
+    kind, schema = grammar_for(tools, required, "generic")
+    assert len(schema["properties"]["tool_call"]["anyOf"]) == 4, "required: a call to any of the four"
+    none = parse_tool_choice({**body, "tool_choice": "none"}, tools)
+    assert grammar_for(tools, none, "generic") is None and prompt_messages(messages, tools, none, "hermes")[1] is None

@@ -436,16 +436,16 @@ class GenRequest:
     n: int = 1  # choices: sequences of the same batch, sharing the prompt's cells
     grammar: GrammarRequest | None = None  # compiled into params.grammar before the worker sees it
     tools: tuple[Tool, ...] = ()
-    tool_choice: ToolChoice = "none"
+    tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = False  # asked for explicitly: several calls in one answer
 
     @property
     def calls_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.tool_choice.offered(self.tools))
 
     @property
     def must_call(self) -> bool:
-        return self.calls_tools and self.tool_choice != "auto"
+        return self.calls_tools and self.tool_choice.must_call
 
 
 def _choices(body: Mapping[str, Any], parallel: int) -> int:
@@ -476,7 +476,7 @@ def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Setting
     except ToolError as e:
         raise bad(str(e), e.param) from None
     grammar = grammar_request(body)
-    if grammar is not None and tools and tool_choice != "none":
+    if grammar is not None and tool_choice.offered(tools):
         raise bad(f"'{grammar.param.split('.')[0]}' and 'tools' both shape the answer; this server takes one of "
                   f"them per request", grammar.param.split(".")[0])
     params = sampling_params(body, defaults.params, n_ctx)

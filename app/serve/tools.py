@@ -66,7 +66,29 @@ class Tool:
                                                  "parameters": dict(self.parameters)}}
 
 
-ToolChoice = str  # "none", "auto", "required", or a function's name
+@dataclass(frozen=True)
+class ToolChoice:
+    """OpenAI's `tool_choice`: "none", "auto", "required", or one function by name (`mode` "named").
+
+    A mode and a name apart, so that a tool may be called "auto" or "required" (a bare string could not tell
+    the keyword from the name). What the model is offered and whether it must call are decided here only."""
+
+    mode: Literal["none", "auto", "required", "named"] = "none"
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode == "named") != (self.name is not None):
+            raise ValueError("a named tool choice, and only it, has a name")
+
+    def offered(self, tools: Sequence[Tool]) -> list[Tool]:
+        """The tools the model may call: none, the named one, or all."""
+        if self.mode == "none":
+            return []
+        return [t for t in tools if t.name == self.name] if self.mode == "named" else list(tools)
+
+    @property
+    def must_call(self) -> bool:
+        return self.mode in ("required", "named")
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
@@ -101,14 +123,14 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[Tool, ...]:
 def parse_tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> ToolChoice:
     choice = body.get("tool_choice")
     if choice is None:
-        return "auto" if tools else "none"
+        return ToolChoice("auto" if tools else "none")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise ToolError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
                             "'function': {'name': ...}}", "tool_choice")
         if choice == "required" and not tools:
             raise ToolError("'tool_choice' is 'required' but no tools were given", "tool_choice")
-        return choice
+        return ToolChoice(choice)  # type: ignore[arg-type]
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or choice.get("type") != "function":
@@ -116,7 +138,7 @@ def parse_tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> ToolCho
                         "'function': {'name': ...}}", "tool_choice")
     if not any(t.name == name for t in tools):
         raise ToolError(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
-    return name
+    return ToolChoice("named", name)
 
 
 def tool_format(template: str | None) -> ToolFormat:
@@ -144,9 +166,7 @@ def prompt_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool], choi
     """The conversation and the tools the template gets. The native formats hand the tools to the template
     and its messages as they are; the generic one describes the tools in the system message and writes
     calls and results as the JSON it asks for (a template without a tool role reads them as turns)."""
-    offered = [t for t in tools if choice not in ("none", "auto", "required") and t.name == choice] or list(tools)
-    if choice == "none" or not tools:
-        offered = []
+    offered = choice.offered(tools)
     if fmt != "generic":
         return list(messages), [t.openai() for t in offered] or None
     out: list[ChatMessage] = []
@@ -185,11 +205,10 @@ def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat,
                 parallel: bool = False) -> tuple[str, object] | None:
     """(grammar kind, source) the answer must follow, or None for free text. `parallel` (OpenAI's
     parallel_tool_calls, asked for explicitly): a Hermes answer may hold several calls."""
-    if choice == "none" or not tools:
+    callable_ = choice.offered(tools)
+    if not callable_:
         return None
-    named = [t for t in tools if t.name == choice]
-    must = choice == "required" or bool(named)
-    callable_ = named or list(tools)
+    must = choice.must_call
     if fmt == "generic":
         call = {"type": "object", "properties": {"tool_call": _any([_call_schema(t) for t in callable_])},
                 "required": ["tool_call"], "additionalProperties": False}
