@@ -22,14 +22,14 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from backends.config import AUTO_K_MAX, StrategyOptions
+from backends.config import AUTO_K_MAX, SUFFIX_CACHE_TOKENS, StrategyOptions
 from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
-from backends.suffix import DEFAULT_MAX_TOKENS, SuffixStore
+from backends.suffix import SuffixStore
 from backends.suffix_file import memory_file, suffix_cache_dir
 from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
@@ -62,7 +62,7 @@ class EngineConfig:
     # The speculation memory's folder (backends.suffix: one file per vocabulary); None: the data dir's
     # (or $SPECCHAT_SUFFIX_CACHE), "": no memory. Its bound, in tokens.
     suffix_cache: Path | None = None
-    suffix_cache_size: int = DEFAULT_MAX_TOKENS
+    suffix_cache_size: int = SUFFIX_CACHE_TOKENS
 
 
 def cost_cache_path(configured: Path | None) -> Path | None:

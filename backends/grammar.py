@@ -31,8 +31,7 @@ fixed bytes next (a key, `": "`, a closing bracket), their canonical
 tokenization (llguidance's fast-forward tokens) is proposed as a draft. It is
 verified like any other: the model may spell the same bytes with other
 tokens, which the grammar also allows, so these drafts are very likely, not
-certain (`Constraint.forced_is_certain` tells when a single token is all the
-grammar allows, where acceptance is exactly 1).
+certain.
 """
 
 from __future__ import annotations
@@ -129,7 +128,6 @@ class Constraint:
             raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
         self._words = (grammar.n_vocab + 31) // 32
         self._bits = np.zeros(self._words, dtype=np.int32)
-        self.n_tokens = 0  # committed
         self.masks = 0
         self.seconds = 0.0  # spent computing masks and looking ahead (the grammar's cost)
 
@@ -188,10 +186,6 @@ class Constraint:
         self.seconds += time.perf_counter() - t0
         return tokens
 
-    def forced_is_certain(self, tokens: Sequence[int]) -> bool:
-        """Whether each of these tokens is the only one the grammar allows at its place (acceptance 1)."""
-        return all(int(self.allowed(tokens[:i]).sum()) == 1 for i in range(len(tokens)))
-
     # -- the committed output ----------------------------------------------
 
     def commit(self, token: int) -> None:
@@ -199,14 +193,8 @@ class Constraint:
         if not self._m.consume_token(token):
             raise GrammarError(f"the grammar refused token {token} that was emitted: "
                                f"{_first_line(self._m.get_error())}")
-        self.n_tokens += 1
 
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing may follow but the end (the generation stops here)."""
         return self._m.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        """What was emitted is a whole sentence of the grammar (the end may come now)."""
-        return self._m.is_accepting()

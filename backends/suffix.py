@@ -41,7 +41,6 @@ from backends.suffix_file import (SuffixFile, SuffixStoreError, counters_path, r
 
 SEP = -1
 BITS = 20  # token ids below 2^20 (1,048,576) fit three to an int64 key
-DEFAULT_MAX_TOKENS = SUFFIX_CACHE_TOKENS
 MIN_DOC = 8  # shorter documents teach nothing
 CANDIDATES = 64  # most recent occurrences of the matched n-gram looked at
 MATCH_MAX = 32  # match lengths counted up to this many tokens back
@@ -163,7 +162,7 @@ class SuffixStore:
     file set aside.
     """
 
-    def __init__(self, path: Path | None, vocab_hash: bytes, n_vocab: int, max_tokens: int = DEFAULT_MAX_TOKENS,
+    def __init__(self, path: Path | None, vocab_hash: bytes, n_vocab: int, max_tokens: int = SUFFIX_CACHE_TOKENS,
                  warn: Callable[[str], None] = lambda _m: None) -> None:
         if max_tokens < 1000:
             raise ValueError("the speculation memory needs room for at least 1000 tokens")
