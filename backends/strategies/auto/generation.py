@@ -28,6 +28,7 @@ from backends.strategies.auto.state import (MATCH_EXTEND, MAX_POSITION, Calibrat
 from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
+from backends.verify import Verdict
 
 if TYPE_CHECKING:
     from backends.strategies.auto import AutoDecoding
@@ -452,9 +453,9 @@ class _Generation:
             yield from self._draft_step(choice)
         elif choice.option == MEMORY:
             proposed = memory[0][:choice.length]
-            yield from self._chain(proposed, None, MEMORY, choice, self.memory_keys[:choice.length])
+            verdict = yield from self._chain(proposed, None, MEMORY, choice, self.memory_keys[:choice.length])
             assert self.memory is not None
-            self.memory.record(len(proposed), min(len(run.output) - before - 1, len(proposed)))
+            self.memory.record(len(proposed), verdict.n_accepted)
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
                                    self.lookup_keys[:choice.length])
@@ -468,7 +469,7 @@ class _Generation:
         run.extra.update(self.stats())
 
     def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
-               keys: list[object], confs: Sequence[float] = ()) -> Iterator[object]:
+               keys: list[object], confs: Sequence[float] = ()) -> Generator[object, object, Verdict]:
         st, run = self.state, self.run
         t0 = time.perf_counter()
         verdict = yield from chain_step(run, self.target, drafts, dists, "draft" if source == DRAFT else
@@ -479,7 +480,7 @@ class _Generation:
         self.own_rows = len(drafts) + 1
         if not drafts:
             self._time(st.t_plain, seconds)
-            return
+            return verdict
         if self._timing():
             t_plain = st.t_plain.get(self.t1 or seconds)
             predicted = self._curve_relative(len(drafts) + 1, self._batch()[1]) - 1.0
@@ -496,6 +497,7 @@ class _Generation:
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
+        return verdict
 
     def _draft_step(self, choice: Choice) -> Iterator[object]:
         st, run = self.state, self.run
