@@ -255,7 +255,6 @@ class Server:
             for i in range(gen.n):
                 yield sse(reply.chunk("", i, role=True))
         tools = [ToolStream(reply.tool_format, gen.must_call) for _ in range(gen.n)] if gen.calls_tools else None
-        calls = [0] * gen.n  # tool calls sent, by choice
         offsets = [0] * gen.n  # text sent, by choice (the completions API's logprobs text_offset)
         held: dict[str, object] | None = None  # the last finish chunk, sent with the timings once all end
         while True:
@@ -272,8 +271,7 @@ class Server:
                     if text or logprobs is not None:
                         yield sse(reply.chunk(text, index, logprobs=logprobs))
                     if new:
-                        yield sse(reply.chunk("", index, calls=list(enumerate(new, calls[index]))))
-                        calls[index] += len(new)
+                        yield sse(reply.chunk("", index, calls=new))
                 else:
                     if held is not None:
                         yield sse(held)
@@ -283,9 +281,9 @@ class Server:
                         rest, more = tools[index].finish()
                         text, new = text + rest, new + more
                         if new:
-                            yield sse(reply.chunk("", index, calls=list(enumerate(new, calls[index]))))
-                            calls[index] += len(new)
-                    held = reply.finish_chunk(index, item, text, called=calls[index] > 0)
+                            yield sse(reply.chunk("", index, calls=new))
+                    held = reply.finish_chunk(index, item, text,
+                                              called=tools is not None and tools[index].sent_calls > 0)
             elif isinstance(event, Failed):
                 yield sse(event.error.body())
                 return

@@ -319,11 +319,11 @@ class ToolStream:
         self.sent_content = ""  # content already streamed
         self.sent_calls = 0
 
-    def push(self, piece: str) -> tuple[str, list[ToolCall]]:
-        """The content delta and the newly complete calls after `piece`."""
+    def push(self, piece: str) -> tuple[str, list[tuple[int, ToolCall]]]:
+        """The content delta and the newly complete calls after `piece`, each with its index in the answer."""
         self.text += piece
         if self.must_call:
-            return "", self._new_calls(final=False)
+            return "", self._new_calls()
         if self.fmt == "generic":
             if self.text.startswith(self.GENERIC_RESPONSE):
                 decoded, _ = _json_string_prefix(self.text[len(self.GENERIC_RESPONSE):])
@@ -343,14 +343,12 @@ class ToolStream:
                     safe = safe[:-k]
                     break
             return self._content_delta(safe), []
-        return self._content_delta(self.text[:opened].rstrip()), self._new_calls(final=False)
+        return self._content_delta(self.text[:opened].rstrip()), self._new_calls()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[tuple[int, ToolCall]]]:
         """What is left once the answer is whole: the rest of the content and the calls not sent yet."""
         content, calls = parse_answer(self.text, self.fmt)
-        new = calls[self.sent_calls:]
-        self.sent_calls = len(calls)
-        return self._content_delta(content) if not calls or content else "", new
+        return self._content_delta(content) if not calls or content else "", self._unsent(calls)
 
     def _content_delta(self, content: str) -> str:
         if not content.startswith(self.sent_content):
@@ -359,10 +357,13 @@ class ToolStream:
         self.sent_content = content
         return delta
 
-    def _new_calls(self, final: bool) -> list[ToolCall]:
+    def _new_calls(self) -> list[tuple[int, ToolCall]]:
         if self.fmt != "hermes":
             return []  # one JSON object: whole only at the end
-        calls = parse_answer(self.text, "hermes")[1]
-        new = calls[self.sent_calls:]
+        return self._unsent(parse_answer(self.text, "hermes")[1])
+
+    def _unsent(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
+        """The calls past those sent, with their indices; they count as sent from now on."""
+        new = list(enumerate(calls))[self.sent_calls:]
         self.sent_calls = len(calls)
         return new
