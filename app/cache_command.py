@@ -34,12 +34,12 @@ def _folder() -> Path | None:
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from backends.suffix_file import counters_path, describe_file
+    from backends.suffix_file import counters_path, describe_file, memory_files
 
     folder = _folder()
     if folder is None:
         raise UserError("the speculation memory is off ($SPECCHAT_SUFFIX_CACHE is empty)")
-    files = sorted(folder.glob("memory-*.bin")) if folder.is_dir() else []
+    files = memory_files(folder)
     if args.cache_command == "stats":
         if not files:
             print(f"the speculation memory is empty ({folder})")

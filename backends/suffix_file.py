@@ -43,8 +43,16 @@ def suffix_cache_dir(configured: Path | None) -> Path | None:
     return configured if str(configured) not in ("", ".") else None
 
 
+MEMORY_PREFIX, MEMORY_SUFFIX = "memory-", ".bin"
+
+
 def memory_file(folder: Path, vocab_hash: bytes) -> Path:
-    return folder / f"memory-{vocab_hash.hex()[:16]}.bin"
+    return folder / f"{MEMORY_PREFIX}{vocab_hash.hex()[:16]}{MEMORY_SUFFIX}"
+
+
+def memory_files(folder: Path) -> list[Path]:
+    """The memory's files in `folder` (one per vocabulary), by name."""
+    return sorted(folder.glob(f"{MEMORY_PREFIX}*{MEMORY_SUFFIX}")) if folder.is_dir() else []
 
 
 class SuffixStoreError(ValueError):
