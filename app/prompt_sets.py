@@ -118,8 +118,8 @@ CHAT: tuple[BenchPrompt, ...] = tuple(BenchPrompt(category, text, (ChatMessage("
 ))
 
 
-def _obj(required: dict[str, dict], **optional: dict) -> dict:
-    return {"type": "object", "properties": {**required, **optional}, "required": list(required),
+def _obj(required: dict[str, dict]) -> dict:
+    return {"type": "object", "properties": dict(required), "required": list(required),
             "additionalProperties": False}
 
 
