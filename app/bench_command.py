@@ -78,6 +78,9 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     if args.requests is not None and args.requests < 1:
         raise ValueError("--requests must be at least 1")
     if args.clients is not None:
+        if any(p.schema for p in prompts) or args.unmasked_drafts:  # else the schemas would be dropped unsaid
+            raise ValueError("the load bench (--clients) runs without schemas: --prompts with schemas and "
+                             "--unmasked-drafts are for one sequence at a time")
         return load_bench(args, settings, prompts, configs)
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
     engine = open_engine(settings, n_seq, print_progress)

@@ -164,6 +164,10 @@ def test_load_bench_refuses_bad_client_lists(tiny, tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "--clients", bad,
                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "--clients" in r.stderr, r.stderr
+    for bad in (["--prompts", "extract", "--clients", "2"], ["--unmasked-drafts", "--clients", "2"]):
+        r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), *bad, "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "schemas" in r.stderr, r.stderr
     for bad in (["--requests", "0", "--clients", "2"], ["--requests", "4"]):
         r = subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(tiny.target), *bad, "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=120)
