@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from models.files import write_atomic
 from models.paths import data_dir
 
 MAGIC = b"SPCSUFX1"
@@ -123,15 +124,7 @@ class SuffixFile:
     def rewrite(self, docs: Sequence[Sequence[int]]) -> None:
         """The whole file anew: written beside it, synced, then renamed over it (the old one stays whole until
         then)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, self.header() + b"".join(self.record(d) for d in docs))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, self.header() + b"".join(self.record(d) for d in docs))
 
     def set_aside(self) -> Path:
         bad = self.path.with_name(self.path.name + f".bad-{int(time.time())}")
@@ -153,14 +146,7 @@ def read_counters(store: Path) -> dict[str, int]:
 
 
 def write_counters(store: Path, counters: dict[str, int]) -> None:
-    path = counters_path(store)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, json.dumps(counters).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(counters_path(store), json.dumps(counters))
 
 
 def describe_file(path: Path) -> dict[str, object]:
