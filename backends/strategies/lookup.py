@@ -48,23 +48,30 @@ class NgramIndex:
         as long as the text before that occurrence equals the text before the suffix: copying a passage
         gives long matches, a phrase that merely recurs gives short ones.
         """
+        n, starts = self.earlier(tokens, 1)
+        if k <= 0 or not n:
+            return [], 0
+        start, length = starts[-1], len(tokens)
+        match = n
+        while match < n + extend and start + n - match > 0 \
+                and tokens[start + n - match - 1] == tokens[length - match - 1]:
+            match += 1
+        return list(tokens[start + n : start + n + k]), match
+
+    def earlier(self, tokens: Sequence[int], limit: int) -> tuple[int, list[int]]:
+        """The longest suffix of `tokens` (up to n_max) that occurred before, as (n, where its latest `limit`
+        earlier occurrences start, oldest first); (0, []) when none did."""
         self.update(tokens)
         length = len(tokens)
-        if k <= 0:
-            return [], 0
         for n in reversed(self.sizes):
             if length <= n:
                 continue
             starts = self._starts.get(tuple(tokens[length - n :]), [])
-            # The last entry is the suffix itself; the one before is the latest earlier occurrence.
-            for start in reversed(starts):
-                if start + n < length:
-                    match = n
-                    while match < n + extend and start + n - match > 0 \
-                            and tokens[start + n - match - 1] == tokens[length - match - 1]:
-                        match += 1
-                    return list(tokens[start + n : start + n + k]), match
-        return [], 0
+            # Starts ascend; the last entry is the suffix itself, the ones before it occurred earlier.
+            end = len(starts) - 1 if starts and starts[-1] + n >= length else len(starts)
+            if end:
+                return n, starts[max(0, end - limit) : end]
+        return 0, []
 
 
 class PromptLookup(StepMachine):

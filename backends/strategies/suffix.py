@@ -40,16 +40,8 @@ OWN_OCCURRENCES = 16  # the request's most recent occurrences looked at
 def own_continuations(index: NgramIndex, context: Sequence[int], depth: int) -> tuple[list[tuple[list[int], float]], int]:
     """Continuations of the longest suffix (up to the index's n) found earlier in `context`, weighed, and the
     match length."""
-    index.update(context)
-    length = len(context)
-    for n in reversed(index.sizes):
-        if length <= n:
-            continue
-        starts = [s for s in index._starts.get(tuple(context[length - n:]), []) if s + n < length]
-        if starts:
-            out = [(list(context[s + n: s + n + depth]), OWN_WEIGHT * n) for s in starts[-OWN_OCCURRENCES:]]
-            return out, n
-    return [], 0
+    n, starts = index.earlier(context, OWN_OCCURRENCES)
+    return [(list(context[s + n: s + n + depth]), OWN_WEIGHT * n) for s in starts], n
 
 
 def shaped(tree: Continuations, config: SuffixConfig, max_nodes: int) -> tuple[list[int], list[int]]:
