@@ -348,13 +348,13 @@ class SuffixStore:
         with self._lock:
             self._load()
             seqs, weights, match = self._candidates(context, max_depth, min_match)
+        self.lookups += 1
+        self.hits += bool(seqs)  # the memory's own: what the request adds is no hit of the memory's
         seqs += [list(s)[:max_depth] for s, _w in extra]
         weights += [w for _s, w in extra]
-        self.lookups += 1
         if not seqs:
             self.lookup_seconds += time.perf_counter() - t0
             return Continuations()
-        self.hits += 1
         out = merge_continuations(seqs, weights, max_nodes, match)
         self.lookup_seconds += time.perf_counter() - t0
         return out
