@@ -64,7 +64,6 @@ class Run:
                               f"this model has {model.n_vocab}")
         # Where the output stands in its grammar (None: free text).
         self.constraint: Constraint | None = params.grammar.start() if params.grammar is not None else None
-        self.last_choice = ""  # what the last step verified (StepEnd.choice)
 
     # -- phases -------------------------------------------------------------
 
@@ -184,7 +183,6 @@ class Run:
 
     def end_step(self, drafted: int, accepted: int, choice: str, why: str = "") -> StepEnd:
         self.forwards += 1
-        self.last_choice = choice
         self.by_choice[choice] = self.by_choice.get(choice, 0) + 1
         self.drafted += drafted
         self.accepted += accepted

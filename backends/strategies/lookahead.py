@@ -178,6 +178,7 @@ class LookaheadDecoding(StepMachine):
         la = LookaheadWindow(target, self.config, prompt)
         first_token: list[int] = []
         first_logits: list[np.ndarray | None] = []
+        forced = [False]  # the last step verified a stretch the grammar forces: sequence 0 grew alone
 
         def prefill() -> Generator[Decode, list[int], int]:
             # As lookahead.cpp, batch for batch: the prompt but its last token, then the last token alone, and the
@@ -199,14 +200,15 @@ class LookaheadDecoding(StepMachine):
                 la.batch_tokens += 1
                 yield run.end_step(0, 0, "plain")
             elif (yield from forced_step(run, target)):
-                pass
+                forced[0] = True
             elif not la.fits(run):
                 # Too close to the end of the context for a window: plain decoding.
                 la.batch_tokens += 1
                 yield from chain_step(run, target, [], None)
             else:
-                if run.last_choice == "grammar":
-                    target.share_with(la.n_seqs)  # the grammar's step grew sequence 0 alone
+                if forced[0]:
+                    target.share_with(la.n_seqs)  # the grammar's steps grew sequence 0 alone
+                    forced[0] = False
                 yield from la.step(run)
             run.extra.update(la.stats())
 
