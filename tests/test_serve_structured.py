@@ -319,3 +319,21 @@ def test_a_tool_named_like_a_tool_choice_keyword_is_just_a_tool() -> None:
     assert len(schema["properties"]["tool_call"]["anyOf"]) == 4, "required: a call to any of the four"
     none = parse_tool_choice({**body, "tool_choice": "none"}, tools)
     assert grammar_for(tools, none, "generic") is None and prompt_messages(messages, tools, none, "hermes")[1] is None
+
+
+def test_tool_stream_decodes_a_streamed_response_and_calls_piece_by_piece() -> None:
+    """The generic format's response string is decoded as it comes (escapes split across pieces included) into
+    exactly its JSON value; Hermes calls come out once each, with their indices, as their closing tags arrive."""
+    from app.serve.tools import ToolStream
+
+    value = 'caf\u00e9 "quoted" \\ back\nline \U0001F600 end'
+    answer = json.dumps({"response": value})
+    for size in (1, 2, 3, 7):
+        stream = ToolStream("generic", must_call=False)
+        got = "".join(stream.push(answer[i:i + size])[0] for i in range(0, len(answer), size))
+        assert got + stream.finish()[0] == value, size
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+    text = f"Let me check.\n{call}\n{call.replace('Rome', 'Oslo')}"
+    stream = ToolStream("hermes", must_call=False)
+    calls = [c for i in range(0, len(text), 3) for c in stream.push(text[i:i + 3])[1]] + stream.finish()[1]
+    assert [(i, json.loads(c.arguments)["city"]) for i, c in calls] == [(0, "Rome"), (1, "Oslo")]

@@ -42,7 +42,7 @@ GENERIC_SYSTEM = (
     "call a tool, or {{\"response\": <your answer>}} to answer the user."
 )
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_HERMES_OPEN = "<tool_call>"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -278,33 +278,40 @@ def parse_answer(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
-def _json_string_prefix(s: str) -> tuple[str, bool]:
+def _json_string_prefix(s: str) -> tuple[str, bool, int]:
     """The decoded text of a JSON string's body as far as it is written (`s` starts after its opening quote),
-    and whether the closing quote came. An escape still incomplete waits for its next characters."""
+    whether the closing quote came, and how many characters of `s` were decoded (an escape still incomplete
+    waits for its next characters: decoding goes on from there)."""
     out: list[str] = []
     i = 0
     while i < len(s):
         c = s[i]
         if c == '"':
-            return "".join(out), True
+            return "".join(out), True, i
         if c == "\\":
             if i + 1 >= len(s):
                 break
             if s[i + 1] == "u":
                 if i + 6 > len(s):
                     break
+                n = 6
+                if s[i + 2:i + 4].lower() in ("d8", "d9", "da", "db"):  # a high surrogate: its pair follows
+                    if i + 12 > len(s):
+                        break
+                    if s[i + 6:i + 8] == "\\u":
+                        n = 12
                 try:
-                    out.append(json.loads(f'"{s[i:i + 6]}"'))
+                    out.append(json.loads(f'"{s[i:i + n]}"'))
                 except json.JSONDecodeError:
-                    out.append(s[i:i + 6])
-                i += 6
+                    out.append(s[i:i + n])
+                i += n
                 continue
             out.append(json.loads(f'"{s[i:i + 2]}"') if s[i + 1] in '"\\/bfnrt' else s[i + 1])
             i += 2
             continue
         out.append(c)
         i += 1
-    return "".join(out), False
+    return "".join(out), False, i
 
 
 class ToolStream:
@@ -318,6 +325,10 @@ class ToolStream:
         self.text = ""
         self.sent_content = ""  # content already streamed
         self.sent_calls = 0
+        # The generic format's response string, decoded as it comes (each character once, not the whole
+        # text again per token): what is decoded, how much of the string's body that was, and whether it closed.
+        self._decoded, self._consumed, self._closed = "", 0, False
+        self._closes = 0  # Hermes: "</tool_call>" tags seen (new calls can only end at one)
 
     def push(self, piece: str) -> tuple[str, list[tuple[int, ToolCall]]]:
         """The content delta and the newly complete calls after `piece`, each with its index in the answer."""
@@ -326,8 +337,12 @@ class ToolStream:
             return "", self._new_calls()
         if self.fmt == "generic":
             if self.text.startswith(self.GENERIC_RESPONSE):
-                decoded, _ = _json_string_prefix(self.text[len(self.GENERIC_RESPONSE):])
-                return self._content_delta(decoded), []
+                if not self._closed:
+                    body = self.text[len(self.GENERIC_RESPONSE) + self._consumed:]
+                    more, self._closed, used = _json_string_prefix(body)
+                    self._decoded += more
+                    self._consumed += used
+                return self._content_delta(self._decoded), []
             return "", []
         if self.fmt == "llama3":
             head = self.text.lstrip()
@@ -360,6 +375,10 @@ class ToolStream:
     def _new_calls(self) -> list[tuple[int, ToolCall]]:
         if self.fmt != "hermes":
             return []  # one JSON object: whole only at the end
+        closes = self.text.count(_HERMES_CLOSE)
+        if closes == self._closes:  # no call ended since the last look
+            return []
+        self._closes = closes
         return self._unsent(parse_answer(self.text, "hermes")[1])
 
     def _unsent(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
