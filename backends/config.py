@@ -140,12 +140,17 @@ class AutoConfig:
     lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
     explore_budget: float = 0.01  # most of the time spent trying options the estimates call worse
     draft_max: int = 12  # longest draft chain or lookup proposal one step verifies
+    # Most root-to-leaf paths of the memory's candidate tree verified in one step (a sequence id each);
+    # 1: its likeliest chain only.
+    memory_paths: int = 8
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore_budget <= 0.2:
             raise ValueError("auto's exploration budget must be in [0, 0.2]")
         if self.draft_max < 1:
             raise ValueError("auto's draft_max must be at least 1")
+        if self.memory_paths < 1:
+            raise ValueError("auto's memory_paths must be at least 1")
 
 
 # The speculation memory's bound, in tokens (backends.suffix; docs/results.md, "Speculation memory": its size

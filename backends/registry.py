@@ -127,7 +127,8 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
         "auto", "chooses every step between plain decoding, prompt lookup, lookahead and the draft model, "
                 "from measured cost and live acceptance",
         needs_draft=False, build=_build_auto, label=_auto_label,
-        n_seq=lambda o: o.lookahead.n_seq_max if o.auto.lookahead else 1, uses_draft=True,
+        n_seq=lambda o: max(o.lookahead.n_seq_max if o.auto.lookahead else 1,
+                            o.auto.memory_paths + 1 if o.auto.memory and o.suffix_cache else 1), uses_draft=True,
         sweep=lambda o: _grid(o, "auto", [{"draft": False}, {"lookup": False}, {"lookahead": False},
                                           {"draft_max": 6}]),
     ),

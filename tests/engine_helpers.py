@@ -15,6 +15,16 @@ from backends.sampling import GenParams
 BATCH_NOISE = 0.03
 
 
+def remember_continuations(engine: Engine, prefix: list[int], seed: int, count: int = 40, length: int = 6) -> None:
+    """Fill the engine's speculation memory with `count` earlier texts: `prefix` followed by random tokens
+    (a memory with many continuations of a prompt ending in `prefix`, for trees of them)."""
+    memory = engine.memory()
+    assert memory is not None
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        memory.add(prefix + rng.integers(3, engine.target_model.n_vocab, size=length).tolist())
+
+
 def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenParams,
                 options: StrategyOptions = StrategyOptions()) -> Done:
     """Generate, assert the event order (Prefilled, Token..., Done) and output invariant, return the Done."""

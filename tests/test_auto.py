@@ -29,7 +29,7 @@ from backends.strategies.auto.generation import _Generation
 from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
                                             confidence_bin, lookup_acceptance, lookup_key)
 from backends.strategies.lookup import NgramIndex
-from engine_helpers import run_to_done
+from engine_helpers import remember_continuations, run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
 
@@ -662,5 +662,35 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
             flat_engine.close()
         gen.slot.load = BatchLoad()
         assert gen.relative(2) == alone
+    finally:
+        engine.close()
+
+
+def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) -> None:
+    """A memory holding many continuations of the prompt, and rows that cost nothing: auto verifies trees of
+    them (several paths per step) at temperature 1, and the law of the first two tokens is the target's
+    (chi-square, alpha ALPHA)."""
+    engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32, cost_cache=Path(""),
+                                 suffix_cache=tmp_path / "memory"))
+    engine._cost = DeviceCost(flat(), 0.0)
+    engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+    try:
+        prompt = [1, 4, 6, 8]
+        remember_continuations(engine, [4, 6, 8], seed=2)
+        memory = engine.memory()
+        assert memory is not None
+        memory.frozen = True  # the generations do not add to it: the same trees all along
+        params = PARAMS["plain"]
+        law = target_law(engine, prompt, params)
+        options = StrategyOptions(auto=AutoConfig(draft=False, lookahead=False))
+        counts: dict[tuple[int, ...], int] = {}
+        trees = 0
+        for seed in range(3000):
+            done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
+            counts[outcome(engine, done)] = counts.get(outcome(engine, done), 0) + 1
+            trees += int(done.stats.extra.get("memory_tree_steps", 0))
+        assert trees > 1500, f"the memory's trees were verified ({trees} tree steps)"
+        p_value = fits_law(counts, law)
+        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
     finally:
         engine.close()

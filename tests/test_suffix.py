@@ -26,7 +26,7 @@ from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
 from backends.suffix import SuffixStore, merge_continuations
 from backends.suffix_file import SuffixFile, describe_file
-from engine_helpers import run_to_done
+from engine_helpers import remember_continuations, run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 
 HASH = bytes(range(32))
@@ -197,11 +197,7 @@ def test_suffix_trees_keep_the_target_law(tiny, tmp_path: Path, strategy: str) -
                                  suffix_cache=tmp_path / "memory"))
     try:
         prompt = [1, 4, 6, 8]
-        memory = engine.memory()
-        assert memory is not None
-        rng = np.random.default_rng(1)
-        for _ in range(40):  # earlier texts: the prompt's end followed by assorted continuations
-            memory.add([4, 6, 8] + rng.integers(3, engine.target_model.n_vocab, size=6).tolist())
+        remember_continuations(engine, [4, 6, 8], seed=1)
         params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         law = target_law(engine, prompt, params)
         options = StrategyOptions(suffix=SuffixConfig(min_prob=0.0, factor=8.0), suffix_cache=True)

@@ -51,6 +51,7 @@ class TreeVerdict:
     depth: int
     matched: int  # nodes accepted along the path the target took
     accepted: int  # of which emitted as accepted drafts (a grammar's or a stop's end may cut the rest)
+    path: tuple[int, ...] = ()  # the nodes the target's tokens matched, from the root (a stop may end it early)
 
 
 def verify_tree(run: Run, target: KvSequence, tokens: Sequence[int], parents: Sequence[int], source: Source,
@@ -78,18 +79,21 @@ def verify_tree(run: Run, target: KvSequence, tokens: Sequence[int], parents: Se
     all_rows = yield from target.decoding(entries)
     rows = all_rows[1:]
     cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
+    path: list[int] = []
     while True:
         kids = children[cur + 1]
         offered = [tokens[k] for k in kids]
         token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, source)
         n_accepted += counted
+        if matched:
+            path.append(next(k for k in kids if tokens[k] == token))
         if run.reason is not None or not matched:
             break
         n_matched += 1
-        cur = next(k for k in kids if tokens[k] == token)
+        cur = path[-1]
         row = rows[cur]
     # Sequences 1.. are shared anew at the next tree's start.
     best_seq = min(paths[cur]) if n_matched else 0
     target.keep_branch(run.context, min(n_past + 1 + n_matched, len(run.context)), best_seq)
     yield run.end_step(len(tokens), n_accepted, choice, why)
-    return TreeVerdict(len(tokens), len(leaves), max(depth, default=0), n_matched, n_accepted)
+    return TreeVerdict(len(tokens), len(leaves), max(depth, default=0), n_matched, n_accepted, tuple(path))

@@ -8,10 +8,14 @@ The options of one step:
     stopped where the draft's confidence no longer pays;
   - a lookahead step (Fu et al. 2024): lookahead.cpp's window and n-gram pool
     batch (backends.strategies.lookahead.LookaheadWindow), when it pays;
-  - a continuation from the speculation memory (backends.suffix, after
-    SuffixDecoding): the likeliest path of what followed the current suffix
-    in earlier outputs, verified as one chain, its acceptance learnt by match
-    length, the share of occurrences that went its way, and position.
+  - continuations from the speculation memory (backends.suffix, after
+    SuffixDecoding): a tree of what followed the current suffix in earlier
+    outputs, with prompt lookup's proposal merged in (.proposals), each node
+    priced by its own estimate (the memory's by match length, the share of
+    occurrences that went its way, and position; lookup's by match and
+    position) and verified where its expected tokens pay for its row
+    (decide.best_subtree: a chain when one path is worth it, else a tree,
+    each path under its own sequence id).
 Under a grammar, the stretch the grammar forces comes first, verified as a
 chain of its canonical tokens (certain: the mask allows nothing else), and
 lookup's and the memory's proposals are cut where the grammar refuses them.

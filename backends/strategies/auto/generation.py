@@ -21,13 +21,16 @@ from backends.run import Run
 from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES,
                                             LOAD_SLOPE_SPAN, LOOKAHEAD, LOOKUP, MEMORY, MIN_CURVE_SCALE, PLAIN,
-                                            SWITCH_HORIZON, TRY_DRAFT_MAX, Choice, best_chain_length,
-                                            expected_chain_tokens, explore_interval)
+                                            SWITCH_HORIZON, TRY_DRAFT_MAX, Choice, best_chain_length, best_subtree,
+                                            expected_chain_tokens, explore_interval, is_chain)
+from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import (MATCH_EXTEND, MAX_POSITION, Calibration, Ewma,
                                            confidence_bin, lookup_key, memory_key)
+from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
+from backends.strategies.suffix import prune_by_grammar
 from backends.verify import Verdict
 
 if TYPE_CHECKING:
@@ -45,6 +48,9 @@ CATCH_UP_PRIOR = 0.15
 # docs/results.md, "Speculation memory"). A calibration of the memory's estimates within the answer, as
 # lookup's, was tried too: it cut exact repeats from 5.1x to 3.7x ar, and was dropped.
 MEMORY_MIN_MATCH = 2
+# The memory's candidate tree holds at most MEMORY_NODES_PER_TOKEN x draft_max nodes (and auto's memory_paths
+# root-to-leaf paths), of which best_subtree verifies those worth their rows.
+MEMORY_NODES_PER_TOKEN = 2
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 TRYING = "trying it (its estimate is stale)"  # the reason given for a try: "<option> — TRYING"
 
@@ -66,7 +72,9 @@ class _Generation:
         self.prompt = prompt
         self.index = NgramIndex(options.lookup.ngram_min, options.lookup.ngram_max) if options.auto.lookup else None
         self.memory = slot.memory() if options.suffix_cache and options.auto.memory else None
-        self.memory_keys: list[tuple[int, int, int]] = []
+        self.tree = CandidateTree()  # this step's candidates from the memory and lookup (`memory` option)
+        self.tree_leaves = max(1, min(options.auto.memory_paths, self.target.n_seq_max - 1))
+        self.tree_nodes = max(1, min(MEMORY_NODES_PER_TOKEN * options.auto.draft_max, self.target.batch_capacity - 1))
         la = options.lookahead
         self.window: LookaheadWindow | None = None
         if options.auto.lookahead and self.target.n_seq_max >= la.n_seq_max \
@@ -78,6 +86,7 @@ class _Generation:
         self.draft_decodes = 0
         self.batch_tokens = 0
         self.explored = 0
+        self.tree_steps = 0  # memory steps verified as a tree (several paths)
         self.own_rows = 1  # rows this sequence put in its last target batch (the others' are the rest of it)
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_chain)
         # For the last decision: the estimate each lookup position is learnt under, and its acceptance as counted.
@@ -202,21 +211,32 @@ class _Generation:
         return explore_interval(self.cfg.explore_budget, extra_seconds / t_plain, n_options,
                                 st.taken.get(option, 0), st.backoff.get(option, 0))
 
-    def decide(self, lookup: list[int], match: int, memory: tuple[list[int], list[float], int] = ([], [], 0)
-               ) -> Choice:
+    def _p(self, source: str, key: object) -> float:
+        """The chance a proposal learnt under `key` is accepted (lookup's or the memory's estimates)."""
+        return (self.state.lookup if source == LOOKUP_SOURCE else self.state.memory).p(key)
+
+    def _learn(self, source: str, key: object, accepted: bool) -> None:
+        (self.state.lookup if source == LOOKUP_SOURCE else self.state.memory).update(key, accepted)
+
+    def decide(self, lookup: list[int], match: int, tree: CandidateTree = CandidateTree()) -> Choice:
         st, run = self.state, self.run
         room = run.room() - 1
         t_plain = st.t_plain.get(self.t1 or 1.0)
         rate = self.rate()
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
-        chain, shares, mem_match = memory
-        if chain and room > 0:
-            self.memory_keys = [memory_key(mem_match, s, i) for i, s in enumerate(shares[:room])]
-            accept = [st.memory.p(key) for key in self.memory_keys]
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, self.relative)
-            options.append(Choice(MEMORY, max(k, 1), tokens, seconds) if k else
-                           self._chain_of_one(MEMORY, accept[0], t_plain, 0.0))
+        if tree.tokens and room > 0:
+            accept = tree.accept(self._p)
+            # Depth is bounded by the room (the tree was built so); the node count by the context's free cells.
+            cells = run.n_ctx - len(run.context)
+            nodes, tokens, seconds = best_subtree(tree.parents, accept, rate, t_plain, self.relative,
+                                                  self.tree_leaves, min(self.tree_nodes, cells))
+            if nodes:
+                options.append(Choice(MEMORY, len(nodes), tokens, seconds, nodes=tuple(nodes)))
+            else:  # for the record, and for a try: the likeliest first token
+                first = tree.likeliest_path(accept, 1)
+                options.append(replace(self._chain_of_one(MEMORY, accept[first[0]], t_plain, 0.0),
+                                       nodes=tuple(first)))
         if lookup and room > 0:
             self.lookup_keys = [lookup_key(match, i) for i in range(len(lookup[:room]))]
             self.lookup_accept = [st.lookup.p(key) for key in self.lookup_keys]
@@ -256,12 +276,13 @@ class _Generation:
             if not early:  # a try pays its switch in full; the early tries come once per engine, so what
                 extra += o.switch  # the draft catches up on then is bounded
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), o.option):
-                return Choice(o.option, self._try_length(o, early), o.tokens, o.seconds,
-                              f"{o.option} — {TRYING}", True)
+                length = self._try_length(o, early)
+                nodes = tuple(tree.likeliest_path(tree.accept(self._p), length)) if o.option == MEMORY else ()
+                return Choice(o.option, length, o.tokens, o.seconds, f"{o.option} — {TRYING}", True, nodes=nodes)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
             self._why_text = self._why(best, options, t_plain)
             self._why_option, self._why_step = best.option, run.forwards
-        return Choice(best.option, best.length, best.tokens, best.seconds, self._why_text)
+        return replace(best, why=self._why_text)
 
     def _try_length(self, o: Choice, early: bool) -> int:
         """How long a try of `o` is at most. Lookup: 2 tokens. The draft: sps's K while it is still judged by
@@ -428,14 +449,8 @@ class _Generation:
             lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
                                                           MATCH_EXTEND)
             lookup = run.valid_prefix(lookup)
-        memory: tuple[list[int], list[float], int] = ([], [], 0)
-        if self.memory is not None and run.room() > 1:
-            tree = self.memory.continuations(run.context, min(self.cfg.draft_max, run.room() - 1), 32,
-                                             min_match=MEMORY_MIN_MATCH)
-            chain, shares = tree.best_chain(self.cfg.draft_max)
-            chain = run.valid_prefix(chain)
-            memory = (chain, shares[:len(chain)], tree.match)
-        choice = self.decide(lookup, match, memory)
+        self.tree = self._candidates(lookup, match)
+        choice = self.decide(lookup, match, self.tree)
         self.decide_seconds += time.perf_counter() - t0
         self.explored += choice.explore
         for option in (DRAFT, LOOKUP, LOOKAHEAD, MEMORY):
@@ -452,10 +467,7 @@ class _Generation:
         elif choice.option == DRAFT:
             yield from self._draft_step(choice)
         elif choice.option == MEMORY:
-            proposed = memory[0][:choice.length]
-            verdict = yield from self._chain(proposed, None, MEMORY, choice, self.memory_keys[:choice.length])
-            assert self.memory is not None
-            self.memory.record(len(proposed), verdict.n_accepted)
+            yield from self._memory_step(choice)
         elif choice.option == LOOKUP:
             yield from self._chain(lookup[:choice.length], None, LOOKUP, choice,
                                    self.lookup_keys[:choice.length])
@@ -467,6 +479,55 @@ class _Generation:
         self._time(st.tokens, len(run.output) - before)
         self._time(st.seconds, seconds)
         run.extra.update(self.stats())
+
+    def _candidates(self, lookup: list[int], match: int) -> CandidateTree:
+        """What the memory proposes after the context, as a tree (cut where the grammar refuses it), with
+        lookup's proposal merged in; empty where the memory has nothing (lookup is then an option of its own)."""
+        run = self.run
+        if self.memory is None or run.room() <= 1:
+            return CandidateTree()
+        found = prune_by_grammar(run, self.memory.continuations(
+            run.context, min(self.cfg.draft_max, run.room() - 1), self.tree_nodes, min_match=MEMORY_MIN_MATCH))
+        if not found.tokens:
+            return CandidateTree()
+        depth: list[int] = []
+        for p in found.parents:
+            depth.append(depth[p] + 1 if p >= 0 else 0)
+        keys = [memory_key(found.match, share, d) for share, d in zip(found.probs, depth)]
+        return candidate_tree(found, keys, lookup, [lookup_key(match, i) for i in range(len(lookup))])
+
+    def _memory_step(self, choice: Choice) -> Iterator[object]:
+        """Verify the chosen nodes of the candidate tree: as a chain when they are one (no branch ids), else as
+        a tree (backends.strategies.branches.verify_tree); each node the target looked at teaches its
+        estimates."""
+        tree, nodes = self.tree, list(choice.nodes)
+        tokens, parents = tree.subtree(nodes)
+        keys = [tree.keys[n] for n in nodes]
+        assert self.memory is not None
+        if is_chain(tree.parents, nodes):
+            verdict = yield from self._chain(tokens, None, MEMORY, choice, keys)
+            self.memory.record(len(tokens), verdict.n_accepted)
+            return
+        t0 = time.perf_counter()
+        v = yield from verify_tree(self.run, self.target, tokens, parents, "memory", "memory", choice.why)
+        self.tree_steps += 1
+        self._learn_scale(time.perf_counter() - t0, len(tokens))
+        self.batch_tokens += len(tokens) + 1
+        self.own_rows = len(tokens) + 1
+        for i, accepted in looked_at(parents, v.path, finished=len(v.path) > v.matched):
+            for source, key in keys[i]:
+                self._learn(source, key, accepted)
+        self.memory.record(len(tokens), v.accepted)
+
+    def _learn_scale(self, seconds: float, drafts: int) -> None:
+        """What a verification of `drafts` rows past the pending token took, against the curve's prediction."""
+        if self._timing():
+            st = self.state
+            t_plain = st.t_plain.get(self.t1 or seconds)
+            predicted = self._curve_relative(drafts + 1, self._batch()[1]) - 1.0
+            # A step interrupted (another process, a pause of the collector) says nothing about the curve:
+            # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
+            st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
 
     def _chain(self, drafts: list[int], dists: list[np.ndarray] | None, source: str, choice: Choice,
                keys: list[object], confs: Sequence[float] = ()) -> Generator[object, object, Verdict]:
@@ -481,19 +542,15 @@ class _Generation:
         if not drafts:
             self._time(st.t_plain, seconds)
             return verdict
-        if self._timing():
-            t_plain = st.t_plain.get(self.t1 or seconds)
-            predicted = self._curve_relative(len(drafts) + 1, self._batch()[1]) - 1.0
-            # A step interrupted (another process, a pause of the collector) says nothing about the curve:
-            # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
-            st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
+        self._learn_scale(seconds, len(drafts))
         # The proposals the target looked at: the accepted ones and the first refused one.
         for i in range(min(verdict.n_accepted + 1, len(drafts))):
             accepted = i < verdict.n_accepted
             if source == LOOKUP:
                 st.lookup.update(keys[i], accepted)
-            elif source == MEMORY:
-                st.memory.update(keys[i], accepted)
+            elif source == MEMORY:  # a path of the candidate tree: each node's (source, key) estimates
+                for node_source, key in keys[i]:  # type: ignore[union-attr]
+                    self._learn(node_source, key, accepted)
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
@@ -529,5 +586,6 @@ class _Generation:
             "batch_tokens": self.batch_tokens,
             "draft_forwards": self.draft_decodes,
             "explored_steps": self.explored,
+            "memory_tree_steps": self.tree_steps,
             "decide_ms_per_step": round(1000 * self.decide_seconds / steps, 4),
         }
