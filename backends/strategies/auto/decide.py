@@ -113,12 +113,7 @@ def best_subtree(parents: Sequence[int], accept: Sequence[float], rate: float, t
     costing t_plain * T(n+1)/T(1). `max_leaves` bounds the root-to-leaf paths (one sequence id each): with
     1 it is the best chain, as `best_chain_length` chooses it.
     """
-    sums: dict[int, float] = {}
-    for i, p in enumerate(parents):
-        sums[p] = sums.get(p, 0.0) + accept[i]
-    reach = [0.0] * len(parents)
-    for i, p in enumerate(parents):
-        reach[i] = accept[i] / max(sums[p], 1.0) * (reach[p] if p >= 0 else 1.0)
+    reach = path_reach(parents, accept)
     chosen: set[int] = set()
     kids = [0] * len(parents)
     leaves, expected = 0, 1.0
@@ -141,6 +136,18 @@ def best_subtree(parents: Sequence[int], accept: Sequence[float], rate: float, t
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (sorted(chosen), expected, seconds)
     return best
+
+
+def path_reach(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
+    """Each node's chance of being accepted: the product of the chances along its path, siblings' chances
+    scaled to sum to at most 1 (best_subtree)."""
+    sums: dict[int, float] = {}
+    for i, p in enumerate(parents):
+        sums[p] = sums.get(p, 0.0) + accept[i]
+    reach = [0.0] * len(parents)
+    for i, p in enumerate(parents):
+        reach[i] = accept[i] / max(sums[p], 1.0) * (reach[p] if p >= 0 else 1.0)
+    return reach
 
 
 def is_chain(parents: Sequence[int], nodes: Sequence[int]) -> bool:

@@ -22,7 +22,7 @@ from backends.sampling import GenParams, argmax, probabilities, sample, top_prob
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES,
                                             LOAD_SLOPE_SPAN, LOOKAHEAD, LOOKUP, MEMORY, MIN_CURVE_SCALE, PLAIN,
                                             SWITCH_HORIZON, TRY_DRAFT_MAX, Choice, best_chain_length, best_subtree,
-                                            expected_chain_tokens, explore_interval, is_chain)
+                                            expected_chain_tokens, explore_interval, is_chain, path_reach)
 from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import (MATCH_EXTEND, MAX_POSITION, Calibration, Ewma,
                                            confidence_bin, lookup_key, memory_key)
@@ -93,6 +93,11 @@ class _Generation:
         self.lookup_keys: list[tuple[int, int]] = []
         self.lookup_accept: list[float] = []
         self.lookup_calibration = Calibration()
+        # The memory's estimates pool work that repeats with work that does not, as lookup's do: within the
+        # answer, the extra tokens its steps gave against what the estimates predicted scale the root's children.
+        self.memory_calibration = Calibration()
+        self.tree_estimates: list[float] = []  # this step's chance per candidate node, as the counts say
+        self.tree_accept: list[float] = []  # and calibrated
         self._why_text, self._why_option, self._why_step = "", "", 0
         if self.state.temperature != params.temperature:  # what the tries confirmed held at another temperature
             self.state.backoff.clear()
@@ -226,7 +231,10 @@ class _Generation:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         if tree.tokens and room > 0:
-            accept = tree.accept(self._p)
+            self.tree_estimates = tree.accept(self._p)
+            factor = self.memory_calibration.factor()
+            accept = [min(a * factor, 0.99) if p < 0 else a for a, p in zip(self.tree_estimates, tree.parents)]
+            self.tree_accept = accept
             # Depth is bounded by the room (the tree was built so); the node count by the context's free cells.
             cells = run.n_ctx - len(run.context)
             nodes, tokens, seconds = best_subtree(tree.parents, accept, rate, t_plain, self.relative,
@@ -277,7 +285,7 @@ class _Generation:
                 extra += o.switch  # the draft catches up on then is bounded
             if st.since.get(o.option, 0) >= self._interval(extra, t_plain, len(options), o.option):
                 length = self._try_length(o, early)
-                nodes = tuple(tree.likeliest_path(tree.accept(self._p), length)) if o.option == MEMORY else ()
+                nodes = tuple(tree.likeliest_path(self.tree_accept, length)) if o.option == MEMORY else ()
                 return Choice(o.option, length, o.tokens, o.seconds, f"{o.option} — {TRYING}", True, nodes=nodes)
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
             self._why_text = self._why(best, options, t_plain)
@@ -500,13 +508,16 @@ class _Generation:
         """Verify the chosen nodes of the candidate tree: as a chain when they are one (no branch ids), else as
         a tree (backends.strategies.branches.verify_tree); each node the target looked at teaches its
         estimates."""
-        tree, nodes = self.tree, list(choice.nodes)
+        tree, nodes, run = self.tree, list(choice.nodes), self.run
         tokens, parents = tree.subtree(nodes)
         keys = [tree.keys[n] for n in nodes]
+        reach = path_reach(tree.parents, self.tree_estimates)
+        before = len(run.output)
         assert self.memory is not None
         if is_chain(tree.parents, nodes):
             verdict = yield from self._chain(tokens, None, MEMORY, choice, keys)
             self.memory.record(len(tokens), verdict.n_accepted)
+            self.memory_calibration.add(len(run.output) - before - 1, sum(reach[n] for n in nodes))
             return
         t0 = time.perf_counter()
         v = yield from verify_tree(self.run, self.target, tokens, parents, "memory", "memory", choice.why)
@@ -518,6 +529,7 @@ class _Generation:
             for source, key in keys[i]:
                 self._learn(source, key, accepted)
         self.memory.record(len(tokens), v.accepted)
+        self.memory_calibration.add(len(run.output) - before - 1, sum(reach[n] for n in nodes))
 
     def _learn_scale(self, seconds: float, drafts: int) -> None:
         """What a verification of `drafts` rows past the pending token took, against the curve's prediction."""
