@@ -15,7 +15,8 @@ The options of one step:
     occurrences that went its way, and position; lookup's by match and
     position) and verified where its expected tokens pay for its row
     (decide.best_subtree: a chain when one path is worth it, else a tree,
-    each path under its own sequence id).
+    each path under its own sequence id); its first tokens' chances are
+    calibrated within the answer, as lookup's are (below).
 Under a grammar, the stretch the grammar forces comes first, verified as a
 chain of its canonical tokens (certain: the mask allows nothing else), and
 lookup's and the memory's proposals are cut where the grammar refuses them.
