@@ -55,8 +55,9 @@ def shaped(tree: Continuations, config: SuffixConfig, max_nodes: int) -> tuple[l
 
 
 def prune_by_grammar(run: Run, tree: Continuations) -> Continuations:
-    """The nodes whose path the grammar admits (a refused node takes its subtree with it)."""
-    if run.constraint is None or not tree.tokens:
+    """The nodes whose path the grammar admits (a refused node takes its subtree with it); all of them when
+    drafts go unmasked (as Run.valid_prefix)."""
+    if run.constraint is None or not tree.tokens or not run.params.mask_drafts:
         return tree
     ok = [False] * len(tree)
     for i in range(len(tree)):
