@@ -111,8 +111,9 @@ def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, s
             params: GenParams, repeats: int, label: str) -> dict[str, float]:
     """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first."""
     ratios: dict[str, list[float]] = {c[0]: [] for c in configs}
+    by_prompt: dict[str, dict[int, list[float]]] = {c[0]: {} for c in configs}
     lowest: dict[str, float] = {}
-    differ = 0
+    differ = empty = 0
     turn = 0
     for rep in range(repeats):
         for i, tokens in enumerate(prompts):
@@ -122,15 +123,19 @@ def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, s
             for label_c, name, options in order:
                 got[label_c] = run(engine, name, options, tokens, replace_seed(params, rep * 1000 + i))
             base_speed, base_tokens = got[configs[0][0]]
+            if min(speed for speed, _out in got.values()) <= 0:  # a sampled answer that ended at once: no rate
+                empty += 1
+                continue
             for label_c, (speed, out) in got.items():
                 ratios[label_c].append(speed / base_speed)
+                by_prompt[label_c].setdefault(i, []).append(speed / base_speed)
                 differ += params.greedy and out != base_tokens
     medians = {k: statistics.median(v) for k, v in ratios.items()}
-    per_prompt = {k: [statistics.median(v[j::len(prompts)]) for j in range(len(prompts))] for k, v in ratios.items()}
     for k in medians:
-        lowest[k] = min(per_prompt[k])
+        lowest[k] = min(statistics.median(v) for v in by_prompt[k].values())
     print(f"{label}: " + ", ".join(f"{k} {medians[k]:.2f}x (lowest prompt {lowest[k]:.2f}x)" for k in medians)
-          + (f"; greedy outputs differing from the first config's: {differ}" if params.greedy else ""), flush=True)
+          + (f"; greedy outputs differing from the first config's: {differ}" if params.greedy else "")
+          + (f"; runs left out (an answer with no tokens): {empty}" if empty else ""), flush=True)
     return medians
 
 
