@@ -513,12 +513,13 @@ class _Generation:
         tokens, parents = tree.subtree(nodes)
         keys = [tree.keys[n] for n in nodes]
         reach = path_reach(tree.parents, self.tree_estimates)
+        predicted = sum(reach[n] for n in nodes)  # extra tokens the counts expect, for the calibration
         before = len(run.output)
         assert self.memory is not None
         if is_chain(tree.parents, nodes):
             verdict = yield from self._chain(tokens, None, MEMORY, choice, keys)
             self.memory.record(len(tokens), verdict.n_accepted)
-            self.memory_calibration.add(len(run.output) - before - 1, sum(reach[n] for n in nodes))
+            self.memory_calibration.add(len(run.output) - before - 1, predicted)
             return
         t0 = time.perf_counter()
         v = yield from verify_tree(self.run, self.target, tokens, parents, "memory", "memory", choice.why)
@@ -530,7 +531,7 @@ class _Generation:
             for source, key in keys[i]:
                 self._learn(source, key, accepted)
         self.memory.record(len(tokens), v.accepted)
-        self.memory_calibration.add(len(run.output) - before - 1, sum(reach[n] for n in nodes))
+        self.memory_calibration.add(len(run.output) - before - 1, predicted)
 
     def _learn_scale(self, seconds: float, drafts: int) -> None:
         """What a verification of `drafts` rows past the pending token took, against the curve's prediction."""
