@@ -14,7 +14,9 @@ cancels what is running, stops the worker and frees the engine.
 `--parallel N` (`-np`, llama-server's spelling) requests decode together in
 one batch per step (continuous batching, backends.scheduler); more wait in
 arrival order. Each has the whole `-c` context, so the KV cache holds N times
-`-c` cells. Before it listens, the server makes sure the device's batch cost
+`-c` cells. What a slot gives up for a new prompt is kept in RAM, up to
+`--cache-ram` MiB, and put back when its conversation returns
+(backends.prompt_cache). Before it listens, the server makes sure the device's batch cost
 curve is known up to the largest batch it may decode (measured once, kept on
 disk), since `auto` prices every row it adds to the batch by it.
 """
@@ -29,6 +31,7 @@ from typing import Callable
 
 from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error, print_progress
 from app.settings import Settings
+from backends.config import PROMPT_CACHE_MIB
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -56,6 +59,9 @@ def add_serve_parser(sub: argparse._SubParsersAction, parser_class: type[argpars
     net.add_argument("-np", "--parallel", type=int, default=DEFAULT_PARALLEL, metavar="N",
                      help=f"requests decoded together in one batch (default: {DEFAULT_PARALLEL}); more wait in "
                           "arrival order; each has the whole context (-c), so the KV cache holds N times it")
+    net.add_argument("-cram", "--cache-ram", type=int, default=PROMPT_CACHE_MIB, metavar="MiB",
+                     help=f"RAM for the prompts slots give up, put back when their conversation returns "
+                          f"(llama-server's spelling; default: {PROMPT_CACHE_MIB}, 0: off)")
     net.add_argument("--host", default=DEFAULT_HOST,
                      help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 picks a free one (default: {DEFAULT_PORT})")
@@ -89,6 +95,8 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.cache_ram < 0:
+        raise UserError(f"--cache-ram must be 0 (off) or more MiB, got {args.cache_ram}")
     parallel = args.parallel
     if not 1 <= parallel <= min(max_sequences(), settings.n_batch):
         raise UserError(f"--parallel must be in 1..{min(max_sequences(), settings.n_batch)}, got {parallel}")
@@ -106,7 +114,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             rows = min(settings.n_batch, max(AUTO_K_MAX, COST_ROWS_MAX))
             if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:
                 print_progress("cannot measure the device's batch cost here: auto and tree decode plainly")
-        worker = EngineWorker(engine)
+        worker = EngineWorker(engine, cache_mib=args.cache_ram)
         worker.start()
         try:
             config = ServerConfig(

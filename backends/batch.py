@@ -4,8 +4,10 @@
 sequence ids and cells, backends.slot) and steps them all with one
 `backends.scheduler.Scheduler`: a request joins at the next step and frees its
 slot when it ends. Of the free slots it takes the one whose cache holds the
-longest prefix of the prompt, as llama-server picks a slot by prompt
-similarity, so a conversation that comes back decodes only its new turn. A
+longest prefix of the prompt (of those, the least recently used), as
+llama-server picks a slot by prompt similarity, so a conversation that comes
+back decodes only its new turn; what a slot gives up for a new prompt is kept
+in RAM and put back when its conversation returns (backends.prompt_cache). A
 generation whose machine raises, or ends in an error, ends alone and its slot
 is emptied (what a step left half done in its caches is unknown).
 
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from backends.config import StrategyOptions
+from backends.config import PROMPT_CACHE_MIB, StrategyOptions
 from backends.events import Done, Event, Prefilled
 from backends.kv import common_prefix
+from backends.prompt_cache import PromptCache
 from backends.sampling import GenParams
 from backends.scheduler import PAUSE, Scheduler, Steps
 from backends.strategies.base import never
@@ -31,15 +34,19 @@ if TYPE_CHECKING:
 
 
 class SlotPool:
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: "Engine", cache_mib: int = PROMPT_CACHE_MIB) -> None:
         self.engine = engine
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
+        self.prompt_cache = PromptCache(cache_mib << 20)
+        self._admitted = 0
+        self._last_used = [0] * len(engine.slots)  # when each slot last took a request (admissions so far)
         self.kv_errors = 0  # slots found holding other cells than their record after a generation (emptied)
         self._prefilled: dict[int, bool] = {}  # running slots: whether their prompt is in the cache
         # Cells the caches hold, and cells the slots' records account for, as counted after the last generation
         # ended (on the stepping thread: other threads read these two numbers, never llama.cpp's state).
         self.kv_cells = self.kv_cached = 0
+        self.cache_stats = self.prompt_cache.stats()  # as of the last admission (read by other threads)
         for slot in engine.slots:  # auto prices its rows by the batch they join
             slot.load = self.scheduler.load
 
@@ -56,9 +63,10 @@ class SlotPool:
         return len(self.scheduler)
 
     def pick(self, prompt: Sequence[int]) -> int:
-        """The free slot whose cache holds the longest prefix of `prompt` (the lowest such)."""
+        """The free slot whose cache holds the longest prefix of `prompt`; of those, the least recently used
+        (llama-server's LRU): the conversations the others hold may come back."""
         slots = self.engine.slots
-        return max(self.free, key=lambda i: (common_prefix(slots[i].target.tokens, prompt), -i))
+        return max(self.free, key=lambda i: (common_prefix(slots[i].target.tokens, prompt), -self._last_used[i], -i))
 
     def admit(self, strategy: str, options: StrategyOptions, prompt: Sequence[int], params: GenParams,
               sink: Callable[[Event], None], on_end: Callable[[BaseException | None], None] = lambda _e: None,
@@ -75,7 +83,12 @@ class SlotPool:
         steps = self.engine.strategy(strategy, options, slot=slot).steps(prompt, params, should_stop)
         if share is not None:
             steps = self._sharing(share, slot, prompt, steps)
+        else:
+            self.prompt_cache.before_prompt(self.engine.slots[slot].target, prompt)
+            self.cache_stats = self.prompt_cache.stats()
         self.free.remove(slot)
+        self._admitted += 1
+        self._last_used[slot] = self._admitted
         self._prefilled[slot] = False
         failed = []
 

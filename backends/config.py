@@ -157,6 +157,11 @@ class AutoConfig:
 # on disk, load time and cost per step at this bound).
 SUFFIX_CACHE_TOKENS = 500_000
 
+# MiB of RAM the server's prompt cache may hold by default (backends.prompt_cache; llama-server's --cache-ram is
+# 8192, but a laptop that runs the chat app beside the server has less to spare: 2 GiB holds 90,000 tokens of
+# SmolLM2-135M's cells, 16,000 of an 8B model with 8 KV heads).
+PROMPT_CACHE_MIB = 2048
+
 
 @dataclass(frozen=True)
 class SuffixConfig:

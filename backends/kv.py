@@ -299,6 +299,20 @@ class KvSequence:
             self.ctx.seq_cp(src.base, self.base, 0, n)
             self.tokens = list(src.tokens[:n])
 
+    def save(self) -> bytes:
+        """The main branch's cells, to `restore` later in this or another sequence of the same context."""
+        return self.ctx.seq_state(self.base)
+
+    def restore(self, tokens: Sequence[int], state: bytes) -> bool:
+        """Hold exactly `tokens` from a `save` of them (what this sequence held goes); False when llama.cpp
+        could not restore them (the sequence is then empty)."""
+        self.reset()
+        if self.ctx.seq_restore(self.base, state) and self.cells() == len(tokens):
+            self.tokens = list(tokens)
+            return True
+        self.reset()
+        return False
+
     def reset(self) -> None:
         """Forget everything this sequence holds (another sequence's cells stay)."""
         self.tokens.clear()

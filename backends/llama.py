@@ -397,6 +397,20 @@ class LlamaContext:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
+    def seq_state(self, seq: int) -> bytes:
+        """Every cell of `seq` (positions and K/V), as llama.cpp serialises one sequence's state: what
+        `seq_restore` puts back into any sequence id of this context."""
+        size = llama_cpp.llama_state_seq_get_size(self._ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        got = llama_cpp.llama_state_seq_get_data(self._ptr, buf, size, seq)
+        return ctypes.string_at(buf, got)
+
+    def seq_restore(self, seq: int, state: bytes) -> bool:
+        """Put a `seq_state` back as sequence `seq` (which must be empty); False when llama.cpp could not
+        (no room for the cells, a state of another context): the sequence is then left empty."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return llama_cpp.llama_state_seq_set_data(self._ptr, buf, len(state), seq) > 0
+
     def seq_keep(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_keep(self._mem, seq)
 

@@ -153,7 +153,8 @@ class Server:
         w = self.worker
         return JSONResponse({"status": "ok", "parallel": w.parallel, "running": w.running, "queued": w.queued,
                              "handled": w.handled, "cancelled": w.cancelled, "kv_errors": w.pool.kv_errors,
-                             "kv_cells": w.pool.kv_cells, "kv_cached": w.pool.kv_cached})
+                             "kv_cells": w.pool.kv_cells, "kv_cached": w.pool.kv_cached,
+                             "prompt_cache": w.pool.cache_stats.as_json()})
 
     async def slots(self, request: Request) -> Response:
         """llama-server's GET /slots: what each slot is doing and how much of a prompt it holds."""

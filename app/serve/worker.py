@@ -20,6 +20,7 @@ from app.serve.tools import prompt_messages, tool_format
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
 from backends.batch import SlotPool
+from backends.config import PROMPT_CACHE_MIB
 
 log = logging.getLogger("specchat.serve")
 
@@ -111,11 +112,11 @@ class EngineWorker:
     order. A request that fails ends alone and empties only its own slot.
     """
 
-    def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED) -> None:
+    def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED, cache_mib: int = PROMPT_CACHE_MIB) -> None:
         self.engine = engine
         self.format = PromptFormat(engine)
         self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
-        self.pool = SlotPool(engine)
+        self.pool = SlotPool(engine, cache_mib)
         self.parallel = self.pool.size
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._max_queued = max_queued
