@@ -299,11 +299,11 @@ class KvSequence:
             self.ctx.seq_cp(src.base, self.base, 0, n)
             self.tokens = list(src.tokens[:n])
 
-    def save(self) -> bytes:
+    def save(self) -> bytearray:
         """The main branch's cells, to `restore` later in this or another sequence of the same context."""
         return self.ctx.seq_state(self.base)
 
-    def restore(self, tokens: Sequence[int], state: bytes) -> bool:
+    def restore(self, tokens: Sequence[int], state: bytearray) -> bool:
         """Hold exactly `tokens` from a `save` of them (what this sequence held goes); False when llama.cpp
         could not restore them (the sequence is then empty)."""
         self.reset()

@@ -397,19 +397,21 @@ class LlamaContext:
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
-    def seq_state(self, seq: int) -> bytes:
+    def seq_state(self, seq: int) -> bytearray:
         """Every cell of `seq` (positions and K/V), as llama.cpp serialises one sequence's state: what
-        `seq_restore` puts back into any sequence id of this context."""
+        `seq_restore` puts back into any sequence id of this context. llama.cpp writes it straight into the
+        returned buffer (a few MB for a conversation: no second copy)."""
         size = llama_cpp.llama_state_seq_get_size(self._ptr, seq)
-        buf = (ctypes.c_uint8 * size)()
-        got = llama_cpp.llama_state_seq_get_data(self._ptr, buf, size, seq)
-        return ctypes.string_at(buf, got)
+        state = bytearray(size)
+        got = llama_cpp.llama_state_seq_get_data(self._ptr, (ctypes.c_uint8 * size).from_buffer(state), size, seq)
+        del state[got:]
+        return state
 
-    def seq_restore(self, seq: int, state: bytes) -> bool:
+    def seq_restore(self, seq: int, state: bytearray) -> bool:
         """Put a `seq_state` back as sequence `seq` (which must be empty); False when llama.cpp could not
         (no room for the cells, a state of another context): the sequence is then left empty."""
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        return llama_cpp.llama_state_seq_set_data(self._ptr, buf, len(state), seq) > 0
+        src = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        return llama_cpp.llama_state_seq_set_data(self._ptr, src, len(state), seq) > 0
 
     def seq_keep(self, seq: int) -> None:
         llama_cpp.llama_memory_seq_keep(self._mem, seq)

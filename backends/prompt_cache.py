@@ -51,7 +51,7 @@ class PromptCache:
         if max_bytes < 0:
             raise ValueError("the prompt cache's size must be 0 (off) or more")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._saved = self._restored = self._tokens_restored = 0
 
