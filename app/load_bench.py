@@ -20,7 +20,9 @@ Interleaved as the single-sequence bench is: within each repeat the client
 counts and the configurations take turns going first, and each
 configuration's aggregate is compared with `ar`'s at the same client count
 in the same repeat (the ratio's median over repeats is the speedup). Every
-run starts from empty caches; `auto` starts from nothing learnt and learns
+run starts from empty caches (the slots' and the server's prompt cache,
+backends.prompt_cache, which then serves the run's repeated prompts as the
+server's would); `auto` starts from nothing learnt and learns
 across the run. At temperature 0, outputs are compared with `ar`'s at the
 same client count: llama.cpp is not batch-invariant, so a near-tie may flip;
 the count of differing requests is reported, not hidden.
