@@ -26,8 +26,10 @@ from typing import Sequence
 
 from backends.kv import KvSequence, common_prefix
 
-# A slot's cells are saved only when they hold at least this many tokens: a shorter prompt decodes in about
-# the time its state takes to copy twice.
+# A slot's cells are saved only when they hold at least this many tokens, and a saved conversation is put back
+# only when that spares decoding at least this many: fewer decode in about one plain step (48 prompt tokens of
+# SmolLM2 took 55 ms here, a plain step 11-14 ms), not worth an entry. Saving and putting back cost a tenth of
+# a millisecond each (docs/results.md, "The prompt cache").
 MIN_TOKENS = 16
 
 
@@ -99,7 +101,3 @@ class PromptCache:
 
     def _drop(self, tokens: tuple[int, ...]) -> None:
         self._bytes -= len(self._entries.pop(tokens))
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._bytes = 0
