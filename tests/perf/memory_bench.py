@@ -2,9 +2,15 @@
 
 Three task families of 24 requests each, as people run them day after day:
 - `extract`: the same fields pulled from 24 different short texts;
-- `rename`: one function with a variable renamed, 24 names;
-- `tool`: an agent's turn that answers with a tool call in a fixed format, 24
-  cities.
+- `code`: the same small function asked for again, 24 names and aggregates;
+- `tool`: an agent loop through the OpenAI tools API as `specchat serve` runs
+  it (the model's tool format and its grammar, app/serve/tools.py, tool_choice
+  "auto"): 12 cities, each a turn asking for the weather and the turn after
+  the tool's result.
+(`rename`, "rename the variable x", and a tool call asked for in the system
+prompt, were the families until 2026-11-25: SmolLM2-135M did neither task,
+answering in prose, so they measured less repetition than the work they
+stood for; docs/results.md keeps their figures.)
 1. warm-up, in a process of its own (`--phase warm`): the first 12 requests
    of each family run with `auto` and the memory on, which remembers them
    (the device's cost and what `auto` learnt are kept in the bench's own
@@ -32,17 +38,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from app.chat_template import ChatMessage  # noqa: E402
+from app.chat_template import ChatMessage, ToolCall  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
+from app.serve.tools import Tool, ToolChoice, grammar_for, prompt_messages, tool_format  # noqa: E402
 from backends.config import StrategyOptions  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
 from backends.events import until_done  # noqa: E402
+from backends.grammar import Grammar, compile_grammar  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
@@ -58,25 +67,63 @@ PEOPLE = [("Maria Lopez", 31, "Rome", "nurse"), ("John Smith", 45, "London", "te
           ("Ivan Horvat", 58, "Split", "sailor"), ("Lea Roux", 30, "Nantes", "writer"),
           ("Sam Lee", 26, "Busan", "coder"), ("Ada Nwosu", 48, "Lagos", "judge"),
           ("Max Vogel", 63, "Bremen", "clockmaker"), ("Iris Blom", 38, "Utrecht", "architect")]
-NAMES = ["total", "count", "result", "value", "amount", "score", "price", "weight", "size", "length",
-         "height", "width", "depth", "speed", "level", "index", "offset", "limit", "budget", "balance",
-         "quota", "margin", "ratio", "factor"]
-FUNCTION = ("def summarize(items):\n    x = 0\n    for item in items:\n        if item > 0:\n"
-            "            x += item\n    return x\n")
-TOOL_SYSTEM = ("You call tools. To get the weather, answer exactly in this format and nothing else:\n"
-               "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": CITY, \"unit\": \"celsius\"}}\n"
-               "</tool_call>")
+AGGREGATES = [("total", "sum"), ("count", "number"), ("mean", "average"), ("largest", "maximum"),
+              ("smallest", "minimum"), ("product", "product"), ("squares", "sum of the squares"),
+              ("range", "difference between the largest and the smallest")]
+KINDS = ["positive", "negative", "even"]
+WEATHER = Tool("get_weather", "Get the current weather in a city",
+               {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"},
+                                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"]})
+CONDITIONS = ["sunny", "cloudy", "light rain", "clear", "windy", "fog"]
 
 
-def families() -> dict[str, list[list[ChatMessage]]]:
+@dataclass(frozen=True)
+class Request:
+    """One request of a family: its conversation, and whether it offers the weather tool (tool_choice auto)."""
+
+    messages: tuple[ChatMessage, ...]
+    tools: bool = False
+
+
+def _weather_turns(i: int, city: str) -> list[Request]:
+    """An agent loop's two turns for a city: the question, and the question with the call and its result."""
+    ask = ChatMessage("user", f"What is the weather in {city}?")
+    call = ToolCall(f"call_{i}", WEATHER.name, json.dumps({"city": city, "unit": "celsius"}))
+    result = json.dumps({"city": city, "temperature": 5 + (7 * i) % 25, "conditions": CONDITIONS[i % len(CONDITIONS)]})
+    return [Request((ask,), tools=True),
+            Request((ask, ChatMessage("assistant", "", (call,)),
+                     ChatMessage("tool", result, tool_call_id=call.id, name=WEATHER.name)), tools=True)]
+
+
+def families() -> dict[str, list[Request]]:
     return {
-        "extract": [[ChatMessage("user", f"Extract name, age, city and job as JSON: {n} is a {a}-year-old {j} "
-                                         f"who lives in {c}.")] for n, a, c, j in PEOPLE],
-        "rename": [[ChatMessage("user", f"Rename the variable x to {name} in this function and show the whole "
-                                        f"function:\n\n{FUNCTION}")] for name in NAMES],
-        "tool": [[ChatMessage("system", TOOL_SYSTEM), ChatMessage("user", f"What is the weather in {c}?")]
-                 for _n, _a, c, _j in PEOPLE],
+        "extract": [Request((ChatMessage("user", f"Extract name, age, city and job as JSON: {n} is a {a}-year-old "
+                                                 f"{j} who lives in {c}."),)) for n, a, c, j in PEOPLE],
+        "code": [Request((ChatMessage("user", f"Write a Python function named {name}_{kind}(items) that returns "
+                                              f"the {what} of the {kind} numbers in items. Show only the code."),))
+                 for (name, what), kind in ((AGGREGATES[i % 8], KINDS[i % 3]) for i in range(24))],  # each pair once
+        "tool": [turn for i, (_n, _a, c, _j) in enumerate(PEOPLE[:12]) for turn in _weather_turns(i, c)],
     }
+
+
+class Prompts:
+    """A family's requests as the engine gets them: tokens through the chat template and, for tool turns,
+    the tools in the model's format and the grammar `specchat serve` holds the answer to."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.fmt = PromptFormat(engine)
+        self.format = tool_format(self.fmt.template)
+        self.choice = ToolChoice("auto")
+        spec = grammar_for([WEATHER], self.choice, self.format)
+        model = engine.target_model
+        self.grammar = compile_grammar(*spec, model.guidance_tokenizer, model.n_vocab) if spec else None
+
+    def __call__(self, request: Request) -> tuple[list[int], Grammar | None]:
+        if not request.tools:
+            return self.fmt.tokens(list(request.messages)), None
+        messages, tools = prompt_messages(request.messages, [WEATHER], self.choice, self.format)
+        return self.fmt.tokens(messages, tools=tools), self.grammar
 
 
 def open_engine(args: argparse.Namespace, memory: Path | None) -> Engine:
@@ -91,11 +138,12 @@ def open_engine(args: argparse.Namespace, memory: Path | None) -> Engine:
 
 def warm(args: argparse.Namespace) -> None:
     engine = open_engine(args, Path(args.memory))
-    fmt = PromptFormat(engine)
+    prompts = Prompts(engine)
     params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
     for requests in families().values():
-        for messages in requests[:12]:
-            until_done(engine.strategy("auto").generate(fmt.tokens(messages), params))
+        for request in requests[:12]:
+            tokens, grammar = prompts(request)
+            until_done(engine.strategy("auto").generate(tokens, replace(params, grammar=grammar)))
     engine.close()
 
 
@@ -107,8 +155,9 @@ def run(engine: Engine, name: str, options: StrategyOptions, tokens: list[int], 
     return done.stats.tokens_per_second, done.tokens
 
 
-def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, str, StrategyOptions]],
-            params: GenParams, repeats: int, label: str) -> dict[str, float]:
+def compare(engine: Engine, prompts: list[tuple[list[int], Grammar | None]],
+            configs: list[tuple[str, str, StrategyOptions]], params: GenParams, repeats: int,
+            label: str) -> dict[str, float]:
     """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first."""
     ratios: dict[str, list[float]] = {c[0]: [] for c in configs}
     by_prompt: dict[str, dict[int, list[float]]] = {c[0]: {} for c in configs}
@@ -116,12 +165,13 @@ def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, s
     differ = empty = 0
     turn = 0
     for rep in range(repeats):
-        for i, tokens in enumerate(prompts):
+        for i, (tokens, grammar) in enumerate(prompts):
             order = [configs[(turn + k) % len(configs)] for k in range(len(configs))]
             turn += 1
             got = {}
             for label_c, name, options in order:
-                got[label_c] = run(engine, name, options, tokens, replace_seed(params, rep * 1000 + i))
+                got[label_c] = run(engine, name, options, tokens,
+                                   replace(params, grammar=grammar, seed=params.seed if params.greedy else rep * 1000 + i))
             base_speed, base_tokens = got[configs[0][0]]
             if min(speed for speed, _out in got.values()) <= 0:  # a sampled answer that ended at once: no rate
                 empty += 1
@@ -137,12 +187,6 @@ def compare(engine: Engine, prompts: list[list[int]], configs: list[tuple[str, s
           + (f"; greedy outputs differing from the first config's: {differ}" if params.greedy else "")
           + (f"; runs left out (an answer with no tokens): {empty}" if empty else ""), flush=True)
     return medians
-
-
-def replace_seed(params: GenParams, seed: int) -> GenParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed if not params.greedy else params.seed)
 
 
 def main() -> int:
@@ -169,22 +213,22 @@ def main() -> int:
     assert store is not None
     store.frozen = True
     print(f"memory: {json.dumps({k: v for k, v in store.stats().items() if k in ('documents', 'tokens', 'file_bytes')})}")
-    fmt = PromptFormat(engine)
+    prompts = Prompts(engine)
     params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
     on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
     configs = [("ar", "ar", off), ("auto", "auto", off), ("auto+memory", "auto", on)]
     results = {}
     try:
         for family, requests in families().items():
-            results[family] = compare(engine, [fmt.tokens(m) for m in requests[12:]], configs, params, args.repeats,
+            results[family] = compare(engine, [prompts(r) for r in requests[12:]], configs, params, args.repeats,
                                       f"{family} (second half)")
-        repeats = [fmt.tokens(m) for requests in families().values() for m in requests[:12:4]]
+        repeats = [prompts(r) for requests in families().values() for r in requests[:12:4]]
         results["exact repeats"] = compare(engine, repeats, [configs[0], configs[2]], params, args.repeats,
                                            "exact repeats of the warm-up")
         for name in ("chat", "builtin"):
-            prompts = [fmt.tokens(list(p.messages) or [ChatMessage("user", p.chat_text())])
-                       for p in load_prompt_set(name)]
-            results[name] = compare(engine, prompts, [configs[1], configs[2]], params, args.repeats,
+            texts = [prompts(Request(tuple(p.messages) or (ChatMessage("user", p.chat_text()),)))
+                     for p in load_prompt_set(name)]
+            results[name] = compare(engine, texts, [configs[1], configs[2]], params, args.repeats,
                                     f"{name} (nothing repeats): auto+memory against auto")
     finally:
         engine.close()
