@@ -102,7 +102,9 @@ def families() -> dict[str, list[Request]]:
                                                  f"{j} who lives in {c}."),)) for n, a, c, j in PEOPLE],
         "code": [Request((ChatMessage("user", f"Write a Python function named {name}_{kind}(items) that returns "
                                               f"the {what} of the {kind} numbers in items. Show only the code."),))
-                 for (name, what), kind in ((AGGREGATES[i % 8], KINDS[i % 3]) for i in range(24))],  # each pair once
+                 # 8 aggregates and 3 kinds, coprime: 24 requests hold each pair once, both halves mixing them
+                 for (name, what), kind in ((AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)])
+                                            for i in range(len(AGGREGATES) * len(KINDS)))],
         "tool": [turn for i, (_n, _a, c, _j) in enumerate(PEOPLE[:12]) for turn in _weather_turns(i, c)],
     }
 
