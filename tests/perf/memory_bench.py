@@ -27,6 +27,8 @@ stood for; docs/results.md keeps their figures.)
 
     python tests/perf/memory_bench.py -m smollm2 -md smollm2-draft --repeats 3 --temp 0
     python tests/perf/memory_bench.py -m smollm2 -md smollm2-draft --repeats 3 --temp 0.8
+
+`--runs N` does all of it N times (a warm-up each) and reports the medians over the runs.
 """
 
 from __future__ import annotations
@@ -191,20 +193,8 @@ def compare(engine: Engine, prompts: list[tuple[list[int], Grammar | None]],
     return medians
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", default="smollm2")
-    ap.add_argument("-md", default="smollm2-draft")
-    ap.add_argument("-t", type=int, default=2)
-    ap.add_argument("-n", type=int, default=96)
-    ap.add_argument("--temp", type=float, default=0.0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--phase", choices=["all", "warm"], default="all")
-    ap.add_argument("--memory", help="(warm phase) the memory folder")
-    args = ap.parse_args()
-    if args.phase == "warm":
-        warm(args)
-        return 0
+def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """One run: a warm-up in another process, then every comparison against the memory it left."""
     folder = Path(tempfile.mkdtemp(prefix="specchat-memory-bench-"))
     memory = folder / "memory"
     print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
@@ -235,7 +225,40 @@ def main() -> int:
     finally:
         engine.close()
         shutil.rmtree(folder, ignore_errors=True)
-    print(json.dumps(results, indent=1))
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", default="smollm2")
+    ap.add_argument("-md", default="smollm2-draft")
+    ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    # Whole runs (warm-up included) differ by up to 0.4x on a family (docs/results.md, "Speculation memory"):
+    # each measures the device's cost afresh and starts auto from what its own warm-up learnt. --runs N
+    # repeats everything N times and reports each figure's median over the runs.
+    ap.add_argument("--runs", type=int, default=1, help="whole runs, warm-up included (default 1)")
+    ap.add_argument("--phase", choices=["all", "warm"], default="all")
+    ap.add_argument("--memory", help="(warm phase) the memory folder")
+    args = ap.parse_args()
+    if args.phase == "warm":
+        warm(args)
+        return 0
+    runs = []
+    for k in range(args.runs):
+        if args.runs > 1:
+            print(f"-- run {k + 1} of {args.runs}", flush=True)
+        runs.append(measure(args))
+    if args.runs == 1:
+        print(json.dumps(runs[0], indent=1))
+        return 0
+    medians = {w: {c: statistics.median(r[w][c] for r in runs) for c in runs[0][w]} for w in runs[0]}
+    for w, by_config in medians.items():
+        print(f"median over {args.runs} runs, {w}: " + ", ".join(
+            f"{c} {v:.2f}x ({' / '.join(f'{r[w][c]:.2f}' for r in runs)})" for c, v in by_config.items()))
+    print(json.dumps({"runs": runs, "medians": medians}, indent=1))
     return 0
 
 
