@@ -84,15 +84,18 @@ class PromptCache:
             self._drop(best)
 
     def _put(self, tokens: tuple[int, ...], seq: KvSequence) -> None:
-        for other in list(self._entries):
+        shorter = []
+        for other in self._entries:
             if other[:len(tokens)] == tokens[:len(other)]:  # one extends the other
                 if len(other) >= len(tokens):
                     self._entries.move_to_end(other)
                     return
-                self._drop(other)
+                shorter.append(other)
         state = seq.save()
-        if len(state) > self.max_bytes:
+        if len(state) > self.max_bytes:  # never fits: the shorter entries it extends stay
             return
+        for other in shorter:
+            self._drop(other)
         while self._bytes + len(state) > self.max_bytes:
             self._drop(next(iter(self._entries)))
         self._entries[tokens] = state
