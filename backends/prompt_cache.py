@@ -21,7 +21,7 @@ the shorter one did).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from backends.kv import KvSequence, common_prefix
@@ -42,8 +42,7 @@ class CacheStats:
     tokens_restored: int  # prompt tokens those did not decode
 
     def as_json(self) -> dict[str, int]:
-        return {"entries": self.entries, "bytes": self.bytes, "saved": self.saved, "restored": self.restored,
-                "tokens_restored": self.tokens_restored}
+        return asdict(self)
 
 
 class PromptCache:
