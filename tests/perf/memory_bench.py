@@ -18,8 +18,11 @@ stood for; docs/results.md keeps their figures.)
 2. the second 12 of each family, in this process, with the memory as the
    first process left it (frozen: it does not learn from these runs, so the
    repeats and configurations do not feed each other): `ar`, `auto` without
-   the memory, `auto` with it, interleaved (who goes first rotates), medians
-   over repeats of each run's tokens/s ratio to `ar`'s on the same request;
+   the memory, `auto` with it, each on an engine of its own that starts from
+   a copy of what the warm-up's `auto` learnt, interleaved (who goes first
+   rotates), medians over repeats of each run's tokens/s ratio to `ar`'s on
+   the same request; with how much of `auto`'s answers the memory held at
+   their place (what the model's work repeats: at 0.8 it answers afresh);
 3. exact repeats: 8 of the warm-up's requests again, `ar` against `auto`
    with the memory;
 4. work that does not repeat: the chat and builtin prompt sets, `auto` with
@@ -42,6 +45,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -51,10 +55,12 @@ from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
 from app.serve.tools import Tool, ToolChoice, grammar_for, prompt_messages, tool_format  # noqa: E402
 from backends.config import StrategyOptions  # noqa: E402
-from backends.engine import Engine, EngineConfig  # noqa: E402
+from backends.engine import LEARNT_FILE, Engine, EngineConfig  # noqa: E402
 from backends.events import until_done  # noqa: E402
 from backends.grammar import Grammar, compile_grammar  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
+from backends.strategies.auto.generation import MEMORY_MIN_MATCH  # noqa: E402
+from backends.suffix import SuffixStore  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 PEOPLE = [("Maria Lopez", 31, "Rome", "nurse"), ("John Smith", 45, "London", "teacher"),
@@ -77,6 +83,8 @@ WEATHER = Tool("get_weather", "Get the current weather in a city",
                {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"},
                                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                 "required": ["city", "unit"]})
+COST_FILE = "cost.json"
+REACH = "memory held"  # the share of the answers' tokens the memory held at their place (memory_reach)
 CONDITIONS = ["sunny", "cloudy", "light rain", "clear", "windy", "fog"]
 
 
@@ -130,14 +138,33 @@ class Prompts:
         return self.fmt.tokens(messages, tools=tools), self.grammar
 
 
-def open_engine(args: argparse.Namespace, memory: Path | None) -> Engine:
+def open_engine(args: argparse.Namespace, memory: Path, keep: Path | None = None) -> Engine:
+    """An engine on the bench's memory. The device's cost and what auto learnt are kept in the bench's own
+    folder (or `keep`, a copy of it): the second process starts from what the warm-up kept (as a user's next
+    session does), and the figures do not depend on earlier sessions."""
     target = resolve_model(args.m, lambda _m: None, None)
     draft = resolve_model(args.md, lambda _m: None, None) if args.md else None
-    # The device's cost and what auto learnt are kept in the bench's own folder: the second process starts from
-    # what the warm-up kept (as a user's next session does), and the figures do not depend on earlier sessions.
     return Engine(EngineConfig(target, draft, n_ctx=4096, threads=args.t, n_seq_max=64,
-                               cost_cache=memory.parent / "cost.json" if memory is not None else Path(""),
-                               suffix_cache=memory if memory is not None else Path("")))
+                               cost_cache=(keep or memory.parent) / COST_FILE, suffix_cache=memory))
+
+
+def config_engines(args: argparse.Namespace, memory: Path, labels: list[str]) -> dict[str, Engine]:
+    """An engine per configuration, each starting from its own copy of what the warm-up kept. What `auto`
+    learns is kept per engine, so on one engine auto without the memory would teach auto with it (the rate it
+    reaches, the batch scale, the tries; a user runs one or the other): shared, `extract` ran at 1.72x `ar`
+    where alone it ran at 1.80x (SmolLM2 greedy, the same process, interleaved)."""
+    engines = {}
+    for label in labels:
+        keep = memory.parent / label.replace("+", "-")
+        keep.mkdir()
+        for name in (COST_FILE, LEARNT_FILE):
+            if (memory.parent / name).exists():
+                shutil.copy(memory.parent / name, keep / name)
+        engines[label] = open_engine(args, memory, keep)
+        store = engines[label].memory()
+        assert store is not None
+        store.frozen = True
+    return engines
 
 
 def warm(args: argparse.Namespace) -> None:
@@ -159,23 +186,44 @@ def run(engine: Engine, name: str, options: StrategyOptions, tokens: list[int], 
     return done.stats.tokens_per_second, done.tokens
 
 
-def compare(engine: Engine, prompts: list[tuple[list[int], Grammar | None]],
-            configs: list[tuple[str, str, StrategyOptions]], params: GenParams, repeats: int,
-            label: str) -> dict[str, float]:
-    """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first."""
+Config = tuple[str, Engine, str, StrategyOptions]  # label, its engine, strategy, options
+
+
+def memory_reach(store: SuffixStore, prompt: Sequence[int], output: Sequence[int]) -> int:
+    """How many of an answer's tokens the memory held at their place: among the first tokens of its
+    continuations of everything before them, matching MEMORY_MIN_MATCH tokens back as `auto` consults it.
+    What this model's work repeats, whoever drafts: a sampled answer leaves the remembered ones, and the
+    memory can propose only what it holds."""
+    had = 0
+    context = list(prompt)
+    for tok in output:
+        found = store.continuations(context, 1, 64, min_match=MEMORY_MIN_MATCH)
+        had += tok in {t for t, p in zip(found.tokens, found.parents) if p < 0}
+        context.append(tok)
+    return had
+
+
+def compare(prompts: list[tuple[list[int], Grammar | None]], configs: list[Config], params: GenParams,
+            repeats: int, label: str) -> dict[str, float]:
+    """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first;
+    with the memory's reach (memory_reach) over the answers of the configs that use it."""
     ratios: dict[str, list[float]] = {c[0]: [] for c in configs}
     by_prompt: dict[str, dict[int, list[float]]] = {c[0]: {} for c in configs}
     lowest: dict[str, float] = {}
-    differ = empty = 0
+    differ = empty = reached = answered = 0
     turn = 0
     for rep in range(repeats):
         for i, (tokens, grammar) in enumerate(prompts):
             order = [configs[(turn + k) % len(configs)] for k in range(len(configs))]
             turn += 1
             got = {}
-            for label_c, name, options in order:
+            for label_c, engine, name, options in order:
                 got[label_c] = run(engine, name, options, tokens,
                                    replace(params, grammar=grammar, seed=params.seed if params.greedy else rep * 1000 + i))
+                store = engine.memory()
+                if options.suffix_cache and store is not None:
+                    reached += memory_reach(store, tokens, got[label_c][1])
+                    answered += len(got[label_c][1])
             base_speed, base_tokens = got[configs[0][0]]
             if min(speed for speed, _out in got.values()) <= 0:  # a sampled answer that ended at once: no rate
                 empty += 1
@@ -188,8 +236,11 @@ def compare(engine: Engine, prompts: list[tuple[list[int], Grammar | None]],
     for k in medians:
         lowest[k] = min(statistics.median(v) for v in by_prompt[k].values())
     print(f"{label}: " + ", ".join(f"{k} {medians[k]:.2f}x (lowest prompt {lowest[k]:.2f}x)" for k in medians)
+          + (f"; the memory held {reached / answered:.0%} of the answers' tokens at their place" if answered else "")
           + (f"; greedy outputs differing from the first config's: {differ}" if params.greedy else "")
           + (f"; runs left out (an answer with no tokens): {empty}" if empty else ""), flush=True)
+    if answered:
+        medians[REACH] = reached / answered
     return medians
 
 
@@ -200,30 +251,36 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
     subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
                     args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)], check=True)
-    engine = open_engine(args, memory)
-    store = engine.memory()
-    assert store is not None
-    store.frozen = True
-    print(f"memory: {json.dumps({k: v for k, v in store.stats().items() if k in ('documents', 'tokens', 'file_bytes')})}")
-    prompts = Prompts(engine)
-    params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
     on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
-    configs = [("ar", "ar", off), ("auto", "auto", off), ("auto+memory", "auto", on)]
+    engines = config_engines(args, memory, ["ar", "auto", "auto+memory"])
+    store = engines["auto+memory"].memory()
+    assert store is not None
+    print(f"memory: {json.dumps({k: v for k, v in store.stats().items() if k in ('documents', 'tokens', 'file_bytes')})}")
+    cost = engines["auto+memory"].known_device_cost()
+    if cost is not None:  # measured by the warm-up: runs differ with it (docs/results.md, "Speculation memory")
+        print(f"device cost the warm-up measured: T(1) {1000 * cost.batch.seconds[0]:.1f} ms, T(k)/T(1) for k = "
+              f"2, 4, 8, 16: {', '.join(f'{cost.batch.relative(k):.2f}' for k in (2, 4, 8, 16))}; "
+              f"draft {cost.draft:.2f}", flush=True)
+    prompts = Prompts(engines["ar"])
+    params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
+    configs: list[Config] = [("ar", engines["ar"], "ar", off), ("auto", engines["auto"], "auto", off),
+                             ("auto+memory", engines["auto+memory"], "auto", on)]
     results = {}
     try:
         for family, requests in families().items():
-            results[family] = compare(engine, [prompts(r) for r in requests[12:]], configs, params, args.repeats,
+            results[family] = compare([prompts(r) for r in requests[12:]], configs, params, args.repeats,
                                       f"{family} (second half)")
         repeats = [prompts(r) for requests in families().values() for r in requests[:12:4]]
-        results["exact repeats"] = compare(engine, repeats, [configs[0], configs[2]], params, args.repeats,
+        results["exact repeats"] = compare(repeats, [configs[0], configs[2]], params, args.repeats,
                                            "exact repeats of the warm-up")
         for name in ("chat", "builtin"):
             texts = [prompts(Request(tuple(p.messages) or (ChatMessage("user", p.chat_text()),)))
                      for p in load_prompt_set(name)]
-            results[name] = compare(engine, texts, [configs[1], configs[2]], params, args.repeats,
+            results[name] = compare(texts, [configs[1], configs[2]], params, args.repeats,
                                     f"{name} (nothing repeats): auto+memory against auto")
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
         shutil.rmtree(folder, ignore_errors=True)
     return results
 
@@ -257,7 +314,8 @@ def main() -> int:
     medians = {w: {c: statistics.median(r[w][c] for r in runs) for c in runs[0][w]} for w in runs[0]}
     for w, by_config in medians.items():
         print(f"median over {args.runs} runs, {w}: " + ", ".join(
-            f"{c} {v:.2f}x ({' / '.join(f'{r[w][c]:.2f}' for r in runs)})" for c, v in by_config.items()))
+            f"{c} {v:.2f}{'' if c == REACH else 'x'} ({' / '.join(f'{r[w][c]:.2f}' for r in runs)})"
+            for c, v in by_config.items()))
     print(json.dumps({"runs": runs, "medians": medians}, indent=1))
     return 0
 
