@@ -1,7 +1,9 @@
 """The speculation memory on work that repeats, and on work that does not (not a test: a measurement).
 
 Three task families of 24 requests each, as people run them day after day:
-- `extract`: the same fields pulled from 24 different short texts;
+- `extract`: the same fields pulled from 24 different short texts (`extract1`,
+  measured with `--families extract1`: the same with one worked example
+  first, as one prompts a base model);
 - `code`: the same small function asked for again, 24 names and aggregates;
 - `tool`: an agent loop through the OpenAI tools API as `specchat serve` runs
   it (the model's tool format and its grammar, app/serve/tools.py, tool_choice
@@ -83,6 +85,9 @@ WEATHER = Tool("get_weather", "Get the current weather in a city",
                {"type": "object", "properties": {"city": {"type": "string", "description": "the city's name"},
                                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                 "required": ["city", "unit"]})
+DEFAULT_FAMILIES = ["extract", "code", "tool"]
+EXAMPLE = ('Extract name, age, city and job as JSON.\n\nText: Noor Aziz is a 34-year-old pharmacist who lives in '
+           'Cairo.\nJSON: {"name": "Noor Aziz", "age": 34, "city": "Cairo", "job": "pharmacist"}\n\n')
 COST_FILE = "cost.json"
 REACH = "memory held"  # the share of the answers' tokens the memory held at their place (memory_reach)
 CONDITIONS = ["sunny", "cloudy", "light rain", "clear", "windy", "fog"]
@@ -110,6 +115,10 @@ def families() -> dict[str, list[Request]]:
     return {
         "extract": [Request((ChatMessage("user", f"Extract name, age, city and job as JSON: {n} is a {a}-year-old "
                                                  f"{j} who lives in {c}."),)) for n, a, c, j in PEOPLE],
+        # The same, as a script for a base model words it: one worked example first (the base Gemma, asked as
+        # `extract` asks, goes on with the text's prose at 0.8; shown one example, it answers with the JSON).
+        "extract1": [Request((ChatMessage("user", f"{EXAMPLE}Text: {n} is a {a}-year-old {j} who lives in {c}.\nJSON:"),))
+                     for n, a, c, j in PEOPLE],
         "code": [Request((ChatMessage("user", f"Write a Python function named {name}_{kind}(items) that returns "
                                               f"the {what} of the {kind} numbers in items. Show only the code."),))
                  # 8 aggregates and 3 kinds, coprime: 24 requests hold each pair once, both halves mixing them
@@ -136,6 +145,15 @@ class Prompts:
             return self.fmt.tokens(list(request.messages)), None
         messages, tools = prompt_messages(request.messages, [WEATHER], self.choice, self.format)
         return self.fmt.tokens(messages, tools=tools), self.grammar
+
+
+def chosen(args: argparse.Namespace) -> dict[str, list[Request]]:
+    """The families named by --families (by default `extract`, `code` and `tool`)."""
+    names = args.families.split(",") if args.families else DEFAULT_FAMILIES
+    unknown = set(names) - set(families())
+    if unknown:
+        raise SystemExit(f"unknown families: {', '.join(sorted(unknown))} (known: {', '.join(families())})")
+    return {name: families()[name] for name in names}
 
 
 def open_engine(args: argparse.Namespace, memory: Path, keep: Path | None = None) -> Engine:
@@ -171,7 +189,7 @@ def warm(args: argparse.Namespace) -> None:
     engine = open_engine(args, Path(args.memory))
     prompts = Prompts(engine)
     params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
-    for requests in families().values():
+    for requests in chosen(args).values():
         for request in requests[:12]:
             tokens, grammar = prompts(request)
             until_done(engine.strategy("auto").generate(tokens, replace(params, grammar=grammar)))
@@ -250,7 +268,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     memory = folder / "memory"
     print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
     subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
-                    args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)], check=True)
+                    args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)]
+                   + (["--families", args.families] if args.families else []), check=True)
     on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
     engines = config_engines(args, memory, ["ar", "auto", "auto+memory"])
     store = engines["auto+memory"].memory()
@@ -267,13 +286,13 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                              ("auto+memory", engines["auto+memory"], "auto", on)]
     results = {}
     try:
-        for family, requests in families().items():
+        for family, requests in chosen(args).items():
             results[family] = compare([prompts(r) for r in requests[12:]], configs, params, args.repeats,
                                       f"{family} (second half)")
-        repeats = [prompts(r) for requests in families().values() for r in requests[:12:4]]
+        repeats = [prompts(r) for requests in chosen(args).values() for r in requests[:12:4]]
         results["exact repeats"] = compare(repeats, [configs[0], configs[2]], params, args.repeats,
                                            "exact repeats of the warm-up")
-        for name in ("chat", "builtin"):
+        for name in () if args.skip_nothing_repeats else ("chat", "builtin"):
             texts = [prompts(Request(tuple(p.messages) or (ChatMessage("user", p.chat_text()),)))
                      for p in load_prompt_set(name)]
             results[name] = compare(texts, [configs[1], configs[2]], params, args.repeats,
@@ -297,9 +316,13 @@ def main() -> int:
     # each measures the device's cost afresh and starts auto from what its own warm-up learnt. --runs N
     # repeats everything N times and reports each figure's median over the runs.
     ap.add_argument("--runs", type=int, default=1, help="whole runs, warm-up included (default 1)")
+    ap.add_argument("--families", help="comma-separated families to warm and measure (default: extract,code,tool; "
+                                       "extract1 is extract with one worked example first)")
+    ap.add_argument("--skip-nothing-repeats", action="store_true", help="leave out the chat and builtin sets")
     ap.add_argument("--phase", choices=["all", "warm"], default="all")
     ap.add_argument("--memory", help="(warm phase) the memory folder")
     args = ap.parse_args()
+    chosen(args)  # unknown families: one line, before any warm-up
     if args.phase == "warm":
         warm(args)
         return 0
