@@ -3,7 +3,7 @@
 Three task families of 24 requests each, as people run them day after day:
 - `extract`: the same fields pulled from 24 different short texts (`extract1`,
   measured with `--families extract1`: the same with one worked example
-  first, as one prompts a base model);
+  first, as one prompts a base model; `code1` likewise for `code`);
 - `code`: the same small function asked for again, 24 names and aggregates;
 - `tool`: an agent loop through the OpenAI tools API as `specchat serve` runs
   it (the model's tool format and its grammar, app/serve/tools.py, tool_choice
@@ -88,6 +88,9 @@ WEATHER = Tool("get_weather", "Get the current weather in a city",
 DEFAULT_FAMILIES = ["extract", "code", "tool"]
 EXAMPLE = ('Extract name, age, city and job as JSON.\n\nText: Noor Aziz is a 34-year-old pharmacist who lives in '
            'Cairo.\nJSON: {"name": "Noor Aziz", "age": 34, "city": "Cairo", "job": "pharmacist"}\n\n')
+CODE_EXAMPLE = ("Write Python functions. Show only the code.\n\nTask: a function named sum_odd(items) that returns the "
+                "sum of the odd numbers in items.\nCode:\ndef sum_odd(items):\n"
+                "    return sum(x for x in items if x % 2 == 1)\n\n")
 COST_FILE = "cost.json"
 REACH = "memory held"  # the share of the answers' tokens the memory held at their place (memory_reach)
 CONDITIONS = ["sunny", "cloudy", "light rain", "clear", "windy", "fog"]
@@ -117,13 +120,17 @@ def families() -> dict[str, list[Request]]:
                                                  f"{j} who lives in {c}."),)) for n, a, c, j in PEOPLE],
         # The same, as a script for a base model words it: one worked example first (the base Gemma, asked as
         # `extract` asks, goes on with the text's prose at 0.8; shown one example, it answers with the JSON).
-        "extract1": [Request((ChatMessage("user", f"{EXAMPLE}Text: {n} is a {a}-year-old {j} who lives in {c}.\nJSON:"),))
-                     for n, a, c, j in PEOPLE],
+        "extract1": [Request((ChatMessage("user", f"{EXAMPLE}Text: {n} is a {a}-year-old {j} who lives in "
+                                                  f"{c}.\nJSON:"),)) for n, a, c, j in PEOPLE],
         "code": [Request((ChatMessage("user", f"Write a Python function named {name}_{kind}(items) that returns "
                                               f"the {what} of the {kind} numbers in items. Show only the code."),))
                  # 8 aggregates and 3 kinds, coprime: 24 requests hold each pair once, both halves mixing them
                  for (name, what), kind in ((AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)])
                                             for i in range(len(AGGREGATES) * len(KINDS)))],
+        "code1": [Request((ChatMessage("user", f"{CODE_EXAMPLE}Task: a function named {name}_{kind}(items) that "
+                                               f"returns the {what} of the {kind} numbers in items.\nCode:\n"),))
+                  for (name, what), kind in ((AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)])
+                                             for i in range(len(AGGREGATES) * len(KINDS)))],
         "tool": [turn for i, (_n, _a, c, _j) in enumerate(PEOPLE[:12]) for turn in _weather_turns(i, c)],
     }
 
@@ -317,7 +324,7 @@ def main() -> int:
     # repeats everything N times and reports each figure's median over the runs.
     ap.add_argument("--runs", type=int, default=1, help="whole runs, warm-up included (default 1)")
     ap.add_argument("--families", help="comma-separated families to warm and measure (default: extract,code,tool; "
-                                       "extract1 is extract with one worked example first)")
+                                       "extract1 and code1 are extract and code with one worked example first)")
     ap.add_argument("--skip-nothing-repeats", action="store_true", help="leave out the chat and builtin sets")
     ap.add_argument("--phase", choices=["all", "warm"], default="all")
     ap.add_argument("--memory", help="(warm phase) the memory folder")
