@@ -114,6 +114,12 @@ def _weather_turns(i: int, city: str) -> list[Request]:
                      ChatMessage("tool", result, tool_call_id=call.id, name=WEATHER.name)), tools=True)]
 
 
+def _code_tasks() -> list[tuple[str, str, str]]:
+    """(name, aggregate, kind) of the 24 `code` requests: 8 aggregates and 3 kinds, coprime, so the 24 hold
+    each pair once and both halves mix them."""
+    return [(*AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)]) for i in range(len(AGGREGATES) * len(KINDS))]
+
+
 def families() -> dict[str, list[Request]]:
     return {
         "extract": [Request((ChatMessage("user", f"Extract name, age, city and job as JSON: {n} is a {a}-year-old "
@@ -124,13 +130,10 @@ def families() -> dict[str, list[Request]]:
                                                   f"{c}.\nJSON:"),)) for n, a, c, j in PEOPLE],
         "code": [Request((ChatMessage("user", f"Write a Python function named {name}_{kind}(items) that returns "
                                               f"the {what} of the {kind} numbers in items. Show only the code."),))
-                 # 8 aggregates and 3 kinds, coprime: 24 requests hold each pair once, both halves mixing them
-                 for (name, what), kind in ((AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)])
-                                            for i in range(len(AGGREGATES) * len(KINDS)))],
+                 for name, what, kind in _code_tasks()],
         "code1": [Request((ChatMessage("user", f"{CODE_EXAMPLE}Task: a function named {name}_{kind}(items) that "
                                                f"returns the {what} of the {kind} numbers in items.\nCode:\n"),))
-                  for (name, what), kind in ((AGGREGATES[i % len(AGGREGATES)], KINDS[i % len(KINDS)])
-                                             for i in range(len(AGGREGATES) * len(KINDS)))],
+                  for name, what, kind in _code_tasks()],
         "tool": [turn for i, (_n, _a, c, _j) in enumerate(PEOPLE[:12]) for turn in _weather_turns(i, c)],
     }
 
@@ -273,30 +276,33 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """One run: a warm-up in another process, then every comparison against the memory it left."""
     folder = Path(tempfile.mkdtemp(prefix="specchat-memory-bench-"))
     memory = folder / "memory"
-    print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
-    subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
-                    args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)]
-                   + (["--families", args.families] if args.families else []), check=True)
-    on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
-    engines = config_engines(args, memory, ["ar", "auto", "auto+memory"])
-    store = engines["auto+memory"].memory()
-    assert store is not None
-    print(f"memory: {json.dumps({k: v for k, v in store.stats().items() if k in ('documents', 'tokens', 'file_bytes')})}")
-    cost = engines["auto+memory"].known_device_cost()
-    if cost is not None:  # measured by the warm-up: runs differ with it (docs/results.md, "Speculation memory")
-        print(f"device cost the warm-up measured: T(1) {1000 * cost.batch.seconds[0]:.1f} ms, T(k)/T(1) for k = "
-              f"2, 4, 8, 16: {', '.join(f'{cost.batch.relative(k):.2f}' for k in (2, 4, 8, 16))}; "
-              f"draft {cost.draft:.2f}", flush=True)
-    prompts = Prompts(engines["ar"])
-    params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
-    configs: list[Config] = [("ar", engines["ar"], "ar", off), ("auto", engines["auto"], "auto", off),
-                             ("auto+memory", engines["auto+memory"], "auto", on)]
+    tasks = chosen(args)
+    engines: dict[str, Engine] = {}
     results = {}
     try:
-        for family, requests in chosen(args).items():
+        print(f"warming the memory with the first half of each family (another process), in {memory}", flush=True)
+        subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
+                        args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)]
+                       + (["--families", args.families] if args.families else []), check=True)
+        on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
+        engines = config_engines(args, memory, ["ar", "auto", "auto+memory"])
+        store = engines["auto+memory"].memory()
+        assert store is not None
+        kept = {k: v for k, v in store.stats().items() if k in ("documents", "tokens", "file_bytes")}
+        print(f"memory: {json.dumps(kept)}")
+        cost = engines["auto+memory"].known_device_cost()
+        if cost is not None:  # measured by the warm-up: runs differ with it (docs/results.md, "Speculation memory")
+            print(f"device cost the warm-up measured: T(1) {1000 * cost.batch.seconds[0]:.1f} ms, T(k)/T(1) for k = "
+                  f"2, 4, 8, 16: {', '.join(f'{cost.batch.relative(k):.2f}' for k in (2, 4, 8, 16))}; "
+                  f"draft {cost.draft:.2f}", flush=True)
+        prompts = Prompts(engines["ar"])
+        params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
+        configs: list[Config] = [("ar", engines["ar"], "ar", off), ("auto", engines["auto"], "auto", off),
+                                 ("auto+memory", engines["auto+memory"], "auto", on)]
+        for family, requests in tasks.items():
             results[family] = compare([prompts(r) for r in requests[12:]], configs, params, args.repeats,
                                       f"{family} (second half)")
-        repeats = [prompts(r) for requests in chosen(args).values() for r in requests[:12:4]]
+        repeats = [prompts(r) for requests in tasks.values() for r in requests[:12:4]]
         results["exact repeats"] = compare(repeats, [configs[0], configs[2]], params, args.repeats,
                                            "exact repeats of the warm-up")
         for name in () if args.skip_nothing_repeats else ("chat", "builtin"):
