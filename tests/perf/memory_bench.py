@@ -25,6 +25,9 @@ stood for; docs/results.md keeps their figures.)
    rotates), medians over repeats of each run's tokens/s ratio to `ar`'s on
    the same request; with how much of `auto`'s answers the memory held at
    their place (what the model's work repeats: at 0.8 it answers afresh);
+   and the second halves as one workload: each config's tokens over its
+   seconds, all families together, against `ar`'s (where a family's answers
+   are long, it weighs as long);
 3. exact repeats: 8 of the warm-up's requests again, `ar` against `auto`
    with the memory;
 4. work that does not repeat: the chat and builtin prompt sets, `auto` with
@@ -92,6 +95,7 @@ CODE_EXAMPLE = ("Write Python functions. Show only the code.\n\nTask: a function
                 "sum of the odd numbers in items.\nCode:\ndef sum_odd(items):\n"
                 "    return sum(x for x in items if x % 2 == 1)\n\n")
 COST_FILE = "cost.json"
+WORKLOAD = "the workload's second half, all families together"
 REACH = "memory held"  # the share of the answers' tokens the memory held at their place (memory_reach)
 CONDITIONS = ["sunny", "cloudy", "light rain", "clear", "windy", "fog"]
 
@@ -206,12 +210,28 @@ def warm(args: argparse.Namespace) -> None:
     engine.close()
 
 
-def run(engine: Engine, name: str, options: StrategyOptions, tokens: list[int], params: GenParams) -> tuple[float, tuple]:
+def run(engine: Engine, name: str, options: StrategyOptions, tokens: list[int], params: GenParams
+        ) -> tuple[float, tuple, float]:
+    """tokens/s, the answer, and its decoding seconds."""
     engine.slots[0].reset()
     done = until_done(engine.strategy(name, options).generate(tokens, params))
     if done.reason == "error":
         raise SystemExit(f"{name}: {done.error}")
-    return done.stats.tokens_per_second, done.tokens
+    return done.stats.tokens_per_second, done.tokens, done.stats.decode_seconds
+
+
+# Per config, per repeat: [answer tokens, decoding seconds] summed over a set of requests (workload_ratios).
+Totals = dict[str, list[list[float]]]
+
+
+def workload_ratios(totals: Totals, base: str) -> dict[str, float]:
+    """Each config's median over repeats of its throughput over the whole set (all its tokens over all its
+    seconds) against `base`'s: what the workload as a whole runs at, its long answers weighing as they take."""
+    out = {}
+    for label, reps in totals.items():
+        out[label] = statistics.median((t / s) / (bt / bs) for (t, s), (bt, bs) in zip(reps, totals[base])
+                                       if s > 0 and bs > 0 and bt > 0)
+    return out
 
 
 Config = tuple[str, Engine, str, StrategyOptions]  # label, its engine, strategy, options
@@ -232,9 +252,10 @@ def memory_reach(store: SuffixStore, prompt: Sequence[int], output: Sequence[int
 
 
 def compare(prompts: list[tuple[list[int], Grammar | None]], configs: list[Config], params: GenParams,
-            repeats: int, label: str) -> dict[str, float]:
+            repeats: int, label: str, totals: Totals | None = None) -> dict[str, float]:
     """Each config's median ratio to the first's tokens/s, same prompt and repeat, rotating who goes first;
-    with the memory's reach (memory_reach) over the answers of the configs that use it."""
+    with the memory's reach (memory_reach) over the answers of the configs that use it. `totals`, if given,
+    gathers each config's tokens and seconds per repeat (workload_ratios)."""
     ratios: dict[str, list[float]] = {c[0]: [] for c in configs}
     by_prompt: dict[str, dict[int, list[float]]] = {c[0]: {} for c in configs}
     lowest: dict[str, float] = {}
@@ -252,11 +273,17 @@ def compare(prompts: list[tuple[list[int], Grammar | None]], configs: list[Confi
                 if options.suffix_cache and store is not None:
                     reached += memory_reach(store, tokens, got[label_c][1])
                     answered += len(got[label_c][1])
-            base_speed, base_tokens = got[configs[0][0]]
-            if min(speed for speed, _out in got.values()) <= 0:  # a sampled answer that ended at once: no rate
+            base_speed, base_tokens, _s = got[configs[0][0]]
+            if min(speed for speed, _out, _s in got.values()) <= 0:  # a sampled answer that ended at once: no rate
                 empty += 1
                 continue
-            for label_c, (speed, out) in got.items():
+            for label_c, (speed, out, seconds) in got.items():
+                if totals is not None:
+                    rep_totals = totals.setdefault(label_c, [])
+                    while len(rep_totals) <= rep:
+                        rep_totals.append([0.0, 0.0])
+                    rep_totals[rep][0] += len(out)
+                    rep_totals[rep][1] += seconds
                 ratios[label_c].append(speed / base_speed)
                 by_prompt[label_c].setdefault(i, []).append(speed / base_speed)
                 differ += params.greedy and out != base_tokens
@@ -299,9 +326,13 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         params = GenParams(max_tokens=args.n, temperature=args.temp, seed=1)
         configs: list[Config] = [("ar", engines["ar"], "ar", off), ("auto", engines["auto"], "auto", off),
                                  ("auto+memory", engines["auto+memory"], "auto", on)]
+        totals: Totals = {}
         for family, requests in tasks.items():
             results[family] = compare([prompts(r) for r in requests[12:]], configs, params, args.repeats,
-                                      f"{family} (second half)")
+                                      f"{family} (second half)", totals)
+        if len(tasks) > 1:  # the second halves as one workload: all of a config's tokens over all its seconds
+            results[WORKLOAD] = workload_ratios(totals, "ar")
+            print(f"{WORKLOAD}: " + ", ".join(f"{k} {v:.2f}x" for k, v in results[WORKLOAD].items()), flush=True)
         repeats = [prompts(r) for requests in tasks.values() for r in requests[:12:4]]
         results["exact repeats"] = compare(repeats, [configs[0], configs[2]], params, args.repeats,
                                            "exact repeats of the warm-up")
