@@ -164,10 +164,11 @@ class Prompts:
 def chosen(args: argparse.Namespace) -> dict[str, list[Request]]:
     """The families named by --families (by default `extract`, `code` and `tool`)."""
     names = args.families.split(",") if args.families else DEFAULT_FAMILIES
-    unknown = set(names) - set(families())
+    known = families()
+    unknown = set(names) - set(known)
     if unknown:
-        raise SystemExit(f"unknown families: {', '.join(sorted(unknown))} (known: {', '.join(families())})")
-    return {name: families()[name] for name in names}
+        raise SystemExit(f"unknown families: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+    return {name: known[name] for name in names}
 
 
 def open_engine(args: argparse.Namespace, memory: Path, keep: Path | None = None) -> Engine:
@@ -279,11 +280,9 @@ def compare(prompts: list[tuple[list[int], Grammar | None]], configs: list[Confi
                 continue
             for label_c, (speed, out, seconds) in got.items():
                 if totals is not None:
-                    rep_totals = totals.setdefault(label_c, [])
-                    while len(rep_totals) <= rep:
-                        rep_totals.append([0.0, 0.0])
-                    rep_totals[rep][0] += len(out)
-                    rep_totals[rep][1] += seconds
+                    rep_totals = totals.setdefault(label_c, [[0.0, 0.0] for _ in range(repeats)])[rep]
+                    rep_totals[0] += len(out)
+                    rep_totals[1] += seconds
                 ratios[label_c].append(speed / base_speed)
                 by_prompt[label_c].setdefault(i, []).append(speed / base_speed)
                 differ += params.greedy and out != base_tokens
