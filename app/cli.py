@@ -29,9 +29,9 @@ from app.serve_command import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
-from backends.config import (AUTO, SHAPES, SUFFIX_CACHE_TOKENS, AutoConfig, LookaheadConfig, LookupConfig, SpsConfig,
-                             TreeConfig)
+from backends.config import SUFFIX_CACHE_TOKENS, StrategyOptions
 from backends.registry import DEFAULT_STRATEGY, REGISTRY, n_seq_needed, require_draft
+from backends.settings_schema import Knob, flag_default, parse_text, strategy_flags
 from backends.events import Done
 
 DEMO_PROMPT = "Once upon a time, in a small village,"
@@ -59,40 +59,7 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
                             "least recently used texts go first")
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="never end at an end-of-generation token: exactly -n tokens (for benchmarks)")
-    s = p.add_argument_group("speculation")
-    s.add_argument("--draft-max", type=int, default=None,
-                   help=f"K: most tokens proposed per step (default: {SpsConfig.draft_max} for sps, "
-                        f"{LookupConfig.draft_max} for lookup, {AutoConfig.draft_max} for auto)")
-    s.add_argument("--draft-p-min", type=float, default=SpsConfig.p_min,
-                   help="sps and the static tree: stop drafting (a branch) when the draft's top probability is below "
-                        f"this (default: {SpsConfig.p_min})")
-    s.add_argument("--no-adaptive", action="store_true", help="sps: keep K fixed instead of adapting it to acceptance")
-    s.add_argument("-W", "--lookahead-window", type=int, default=LookaheadConfig.window,
-                   help=f"lookahead: window width W (default: {LookaheadConfig.window})")
-    s.add_argument("-N", "--lookahead-ngram", type=int, default=LookaheadConfig.ngram,
-                   help=f"lookahead: n-gram size N, window levels N-1 (default: {LookaheadConfig.ngram})")
-    s.add_argument("-G", "--lookahead-guesses", type=int, default=LookaheadConfig.guesses,
-                   help=f"lookahead: most n-grams verified per step G (default: {LookaheadConfig.guesses})")
-    s.add_argument("--lookahead-seed-prompt", action="store_true",
-                   help="lookahead: fill the n-gram pool from the prompt's own n-grams first")
-    s.add_argument("--lookup-ngram-max", type=int, default=LookupConfig.ngram_max,
-                   help=f"lookup: longest suffix to match in the context (default: {LookupConfig.ngram_max})")
-    s.add_argument("--lookup-ngram-min", type=int, default=LookupConfig.ngram_min,
-                   help=f"lookup: shortest suffix to match (default: {LookupConfig.ngram_min})")
-    s.add_argument("--tree-depth", type=int, default=TreeConfig.depth,
-                   help=f"tree: longest drafted path (default: {TreeConfig.depth})")
-    s.add_argument("--tree-top-k", type=int, default=TreeConfig.top_k,
-                   help="tree: children per expanded node and nodes expanded per depth; static shape: most "
-                        f"branches (default: {TreeConfig.top_k})")
-    s.add_argument("--tree-nodes", type=_tree_nodes, default=TreeConfig.nodes,
-                   help="tree: nodes verified per step, M, or 'auto': chosen every step from this device's "
-                        f"measured batch cost curve (default: {TreeConfig.nodes})")
-    s.add_argument("--tree-shape", choices=SHAPES, default=TreeConfig.shape,
-                   help="tree: dynamic = EAGLE-2's expand-and-rerank tree; static = llama.cpp speculative.cpp's "
-                        f"branch splitting (default: {TreeConfig.shape})")
-    s.add_argument("--draft-p-split", type=float, default=TreeConfig.p_split,
-                   help="tree, static shape: a further draft candidate starts a new branch above this probability "
-                        f"(default: {TreeConfig.p_split})")
+    add_strategy_flags(p.add_argument_group("speculation"))
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
@@ -142,14 +109,30 @@ def _add_prompt_flags(p: argparse.ArgumentParser) -> None:
                    help="send the prompt as it is, without the model's chat template (llama.cpp's spelling)")
 
 
-def _tree_nodes(value: str) -> int | str:
-    """--tree-nodes: a count, or 'auto'."""
-    if value == AUTO:
-        return AUTO
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {value!r}") from None
+def add_strategy_flags(group: argparse._ActionsContainer, options: StrategyOptions | None = None) -> None:
+    """The strategies' flags, as their fields declare them (backends.config): each flag once, its default the
+    fields' default (per strategy when they differ), a switch for a flag that sets a fixed value."""
+    for flag, knobs in strategy_flags(options or StrategyOptions()):
+        if flag.sets is not None:
+            group.add_argument(*flag.names, action="store_true", help=flag.help)
+            continue
+        default = flag_default(knobs)
+        shown = default if default is not None else ", ".join(f"{k.default} for {k.section}" for k in knobs)
+        first = knobs[0]  # the fields of one flag share a kind
+        kind = _typed_text(first) if first.setting.words else None if first.setting.choices else first.kind
+        group.add_argument(*flag.names, type=kind, choices=first.setting.choices or None, default=default,
+                           help=f"{flag.help} (default: {shown})")
+
+
+def _typed_text(knob: Knob) -> Callable[[str], object]:
+    """A flag's value read by the schema (a number or a word: --tree-nodes 12, --tree-nodes auto)."""
+    def parse(text: str) -> object:
+        try:
+            return parse_text(knob, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 MODEL_HELP = "target model: a .gguf path, 'smollm2' or 'demo' (the bundled pairs), an alias, or hf:OWNER/REPO[:QUANT]"
@@ -275,7 +258,7 @@ class _Interrupt:
 
 
 def settings_from_args(args: argparse.Namespace, only: tuple[str, ...] = ("",)) -> Settings:
-    """The flags as settings, through the table `chat` uses too (app.settings.FLAG_PATHS)."""
+    """The flags as settings, through the table `chat` uses too (app.settings.flag_paths)."""
     try:
         return apply_flags(Settings(), args, only)
     except ValueError as e:

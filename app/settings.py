@@ -20,6 +20,7 @@ import platformdirs
 from backends.config import SUFFIX_CACHE_TOKENS, StrategyOptions
 from backends.registry import DEFAULT_STRATEGY, STRATEGIES
 from backends.sampling import GenParams
+from backends.settings_schema import Knob, json_value, setting_of, strategy_flags
 from models.files import write_atomic
 
 SETTINGS_FILE = "settings.json"
@@ -96,8 +97,9 @@ def with_path(obj: Any, path: str, value: Any) -> Any:
     return with_paths(obj, {path: value})
 
 
-# argparse dest -> the Settings paths it sets; one table for `run`, `bench` and `chat`
-# (--draft-max is K for sps and lookup alike; --draft-p-min stops sps and the static tree).
+# argparse dest -> the Settings paths it sets, for the flags that are not a strategy's; one table for `run`,
+# `bench` and `chat`. The strategies' flags (and their fan-out: --draft-max is K for sps, lookup and auto)
+# come from their fields' declarations in backends.config: flag_paths() has both.
 FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "model": ("target",),
     "model_draft": ("draft",),
@@ -113,19 +115,6 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "ignore_eos": ("params.ignore_eos",),
     "suffix_cache": ("suffix_cache",),
     "suffix_cache_size": ("suffix_cache_size",),
-    "draft_max": ("options.sps.draft_max", "options.lookup.draft_max", "options.auto.draft_max"),
-    "draft_p_min": ("options.sps.p_min", "options.tree.p_min"),
-    "lookahead_window": ("options.lookahead.window",),
-    "lookahead_ngram": ("options.lookahead.ngram",),
-    "lookahead_guesses": ("options.lookahead.guesses",),
-    "lookahead_seed_prompt": ("options.lookahead.seed_pool_from_prompt",),
-    "lookup_ngram_max": ("options.lookup.ngram_max",),
-    "lookup_ngram_min": ("options.lookup.ngram_min",),
-    "tree_depth": ("options.tree.depth",),
-    "tree_top_k": ("options.tree.top_k",),
-    "tree_nodes": ("options.tree.nodes",),
-    "tree_shape": ("options.tree.shape",),
-    "draft_p_split": ("options.tree.p_split",),
     "ctx_size": ("n_ctx",),
     "batch_size": ("n_batch",),
     "threads": ("threads",),
@@ -137,20 +126,29 @@ GENERATION = ("params.", "options.")
 RANDOM_SEED = -1  # --seed -1, llama.cpp's LLAMA_DEFAULT_SEED: a new random seed each time
 
 
+def flag_paths(options: StrategyOptions | None = None) -> dict[str, tuple[str, ...]]:
+    """Every flag's argparse dest -> the Settings paths it sets: FLAG_PATHS and the strategies' flags."""
+    strategy = {flag.dest: tuple(f"options.{k.path}" for k in knobs)
+                for flag, knobs in strategy_flags(options or StrategyOptions())}
+    return {**FLAG_PATHS, **strategy}
+
+
 def apply_flags(settings: Settings, args: argparse.Namespace, only: tuple[str, ...] = ("",)) -> Settings:
-    """`settings` with the flags in `args` that are not None applied, to the paths starting with `only`."""
+    """`settings` with the flags in `args` that are not None applied, to the paths starting with `only`.
+    A switch (--no-adaptive) sets its fields' declared value when given."""
+    switches = {flag.dest: flag.sets for flag, _ in strategy_flags(settings.options) if flag.sets is not None}
     values: dict[str, Any] = {}
-    for dest, paths in FLAG_PATHS.items():
+    for dest, paths in flag_paths(settings.options).items():
         value = getattr(args, dest, None)
-        if value is None:
+        if value is None or (dest in switches and not value):
             continue
+        if dest in switches:
+            value = switches[dest]
         if dest == "seed" and value == RANDOM_SEED:
             value = None  # a random seed, overriding a saved one
         for path in paths:
             if path.startswith(only):
                 values[path] = tuple(value) if dest == "stop" else value
-    if getattr(args, "no_adaptive", None):
-        values["options.sps.adaptive"] = False
     return with_paths(settings, values)
 
 
@@ -159,18 +157,24 @@ def config_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_config_dir("specchat", appauthor=False))
 
 
-def _from_dict(cls: type[T], data: Any) -> T:
-    """Rebuild a (nested) settings dataclass from JSON, checking each value against the default's type."""
+def _from_dict(default: T, data: Any) -> T:
+    """A (nested) settings dataclass rebuilt from JSON over `default`, each value checked against the default's
+    type (a strategy's field: against its declaration)."""
     if not isinstance(data, dict):
-        raise ValueError(f"expected an object for {cls.__name__}")
-    default = cls()
+        raise ValueError(f"expected an object for {type(default).__name__}")
     values = {}
     for f in fields(default):  # type: ignore[arg-type]
         if f.name not in data:
             continue
         current, value = getattr(default, f.name), data[f.name]
-        if is_dataclass(current):
-            value = _from_dict(type(current), value)
+        declared = setting_of(f)
+        if declared is not None:  # a strategy's field: its kind and words (tree nodes 'auto') as declared
+            try:
+                value = json_value(Knob(f.name, current, declared), value)
+            except ValueError as e:
+                raise ValueError(f"{f.name}: expected {e}, got {value!r}") from None
+        elif is_dataclass(current):
+            value = _from_dict(current, value)
         elif isinstance(current, tuple):
             if isinstance(value, str):  # one endpoint or stop string written bare, not a list of characters
                 value = (value,)
@@ -178,9 +182,7 @@ def _from_dict(cls: type[T], data: Any) -> T:
                 raise ValueError(f"{f.name}: expected a list, got {value!r}")
             value = tuple(value)
         elif current is not None and value is not None and not isinstance(value, type(current)):
-            # An int may stand for a float; a word for a number field that also takes one (tree nodes 'auto').
-            if not (isinstance(current, float) and isinstance(value, int)) and \
-                    not (isinstance(value, str) and "Literal" in str(f.type)):
+            if not (isinstance(current, float) and isinstance(value, int)):  # an int may stand for a float
                 raise ValueError(f"{f.name}: expected {type(current).__name__}, got {value!r}")
         values[f.name] = value
     return replace(default, **values)  # type: ignore[type-var]
@@ -203,18 +205,19 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
-    """The saved settings and, if the file was unusable, a warning saying so."""
+def load_settings(path: Path | None = None, defaults: Settings | None = None) -> tuple[Settings, str | None]:
+    """The saved settings over `defaults` (Settings()) and, if the file was unusable, a warning saying so."""
     path = path or config_dir() / SETTINGS_FILE
+    defaults = defaults or Settings()
     if not path.exists():
-        return Settings(), None
+        return defaults, None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError("expected a JSON object")
-        return _from_dict(Settings, _migrate(data)), None
+        return _from_dict(defaults, _migrate(data)), None
     except (OSError, ValueError, TypeError) as e:
-        return Settings(), f"ignored unreadable settings file {path}: {e}"
+        return defaults, f"ignored unreadable settings file {path}: {e}"
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> None:

@@ -1,8 +1,11 @@
 """Every strategy's settings: typed frozen dataclasses, validated in `__post_init__`.
 
-Kept apart from the strategies themselves so that the command line, the chat
-app's settings and the server can build and check them without loading
-llama.cpp (`specchat --help` stays instant).
+Each field declares, beside itself, its flag, its label in the chat app's
+settings panel, its range and the words it takes (backends.settings_schema);
+the command line, the settings file, the F4 panel and the server's
+`speculative` object are derived from those declarations. Kept apart from the
+strategies themselves so that they can build and check settings without
+loading llama.cpp (`specchat --help` stays instant).
 """
 
 from __future__ import annotations
@@ -10,30 +13,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from backends.settings_schema import Flag, Range, check_fields, setting
+
+AT_LEAST_1 = Range(1)
+PROBABILITY = Range(0.0, 1.0)
+BELOW_1 = Range(0.0, 1.0, high_open=True)
+
+# Flags that set several strategies' fields (each field below names the one it answers to).
+DRAFT_MAX = Flag(("--draft-max",), "K: most tokens proposed per step", request_key="n_max")
+DRAFT_P_MIN = Flag(("--draft-p-min",), "sps and the static tree: stop drafting (a branch) when the draft's top "
+                                       "probability is below this", request_key="p_min")
+
 
 @dataclass(frozen=True)
 class SpsConfig:
     # Chosen by `python tests/perf/speed.py --sweep` on the demo pair (docs/results.md, "Earlier measurements").
-    draft_max: int = 6
-    p_min: float = 0.4
-    adaptive: bool = True
+    draft_max: int = setting(6, flag=DRAFT_MAX, label="sps: K", range=AT_LEAST_1)
+    p_min: float = setting(0.4, flag=DRAFT_P_MIN, label="sps: p_min", range=BELOW_1)
+    adaptive: bool = setting(True, label="sps: adaptive K", flag=Flag(
+        ("--no-adaptive",), "sps: keep K fixed instead of adapting it to acceptance", sets=False))
 
     def __post_init__(self) -> None:
-        if self.draft_max < 1:
-            raise ValueError("--draft-max must be at least 1")
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError("--draft-p-min must be in [0, 1)")
+        check_fields(self, "sps")
 
 
 @dataclass(frozen=True)
 class LookupConfig:
-    draft_max: int = 10
-    ngram_max: int = 3
-    ngram_min: int = 1
+    draft_max: int = setting(10, flag=DRAFT_MAX, label="lookup: K", range=AT_LEAST_1)
+    ngram_max: int = setting(3, label="lookup: n-gram max", flag=Flag(
+        ("--lookup-ngram-max",), "lookup: longest suffix to match in the context"))
+    ngram_min: int = setting(1, flag=Flag(("--lookup-ngram-min",), "lookup: shortest suffix to match"))
 
     def __post_init__(self) -> None:
-        if self.draft_max < 1:
-            raise ValueError("--draft-max must be at least 1")
+        check_fields(self, "lookup")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= --lookup-ngram-min <= --lookup-ngram-max")
 
@@ -41,18 +53,17 @@ class LookupConfig:
 @dataclass(frozen=True)
 class LookaheadConfig:
     # Defaults: the best of a sweep on a 2-core CPU with the demo pair (docs/results.md, "Earlier measurements").
-    window: int = 2  # W
-    ngram: int = 3  # N
-    guesses: int = 2  # G
-    seed_pool_from_prompt: bool = False
+    window: int = setting(2, label="lookahead: W", range=AT_LEAST_1, flag=Flag(
+        ("-W", "--lookahead-window"), "lookahead: window width W"))
+    ngram: int = setting(3, label="lookahead: N", range=Range(2), flag=Flag(
+        ("-N", "--lookahead-ngram"), "lookahead: n-gram size N, window levels N-1"))
+    guesses: int = setting(2, label="lookahead: G", range=Range(0), flag=Flag(
+        ("-G", "--lookahead-guesses"), "lookahead: most n-grams verified per step G"))
+    seed_pool_from_prompt: bool = setting(False, flag=Flag(
+        ("--lookahead-seed-prompt",), "lookahead: fill the n-gram pool from the prompt's own n-grams first", sets=True))
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError("-W must be at least 1")
-        if self.ngram < 2:
-            raise ValueError("-N must be at least 2")
-        if self.guesses < 0:
-            raise ValueError("-G must be at least 0")
+        check_fields(self, "lookahead")
 
     @property
     def n_seq_max(self) -> int:
@@ -74,24 +85,28 @@ AUTO_K_MAX = 16
 
 @dataclass(frozen=True)
 class TreeConfig:
-    depth: int = 4  # D: longest path
+    depth: int = setting(4, label="tree: depth", range=AT_LEAST_1, flag=Flag(  # D
+        ("--tree-depth",), "tree: longest drafted path"))
     # dynamic: children per expanded node, and nodes expanded per depth; static: most branches (n_seq_dft)
-    top_k: int = 2
-    nodes: int | Literal["auto"] = 8  # M: nodes verified per step, or chosen per step from the cost curve
-    shape: Shape = "dynamic"
-    p_split: float = 0.1  # static: a further candidate starts a branch above this (llama.cpp's default)
-    p_min: float = SpsConfig.p_min  # static: a branch stops below this top probability (one flag with sps)
+    top_k: int = setting(2, label="tree: top-k", range=AT_LEAST_1, flag=Flag(
+        ("--tree-top-k",), "tree: children per expanded node and nodes expanded per depth; static shape: most "
+                           "branches"))
+    # M: nodes verified per step, or chosen per step from the cost curve
+    nodes: int | Literal["auto"] = setting(8, label="tree: nodes M", range=AT_LEAST_1, words=(AUTO,), flag=Flag(
+        ("--tree-nodes",), "tree: nodes verified per step, M, or 'auto': chosen every step from this device's "
+                           "measured batch cost curve"))
+    shape: Shape = setting("dynamic", label="tree: shape", choices=SHAPES, flag=Flag(
+        ("--tree-shape",), "tree: dynamic = EAGLE-2's expand-and-rerank tree; static = llama.cpp speculative.cpp's "
+                           "branch splitting"))
+    # static: a further candidate starts a branch above this (llama.cpp's default)
+    p_split: float = setting(0.1, label="tree: p_split", range=PROBABILITY, flag=Flag(
+        ("--draft-p-split",), "tree, static shape: a further draft candidate starts a new branch above this "
+                              "probability"))
+    # static: a branch stops below this top probability (one flag with sps)
+    p_min: float = setting(SpsConfig.p_min, flag=DRAFT_P_MIN, range=BELOW_1)
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or (self.nodes != AUTO and (not isinstance(self.nodes, int)
-                                                                         or self.nodes < 1)):
-            raise ValueError("tree depth, top-k and nodes must be at least 1 (nodes may be 'auto')")
-        if self.shape not in SHAPES:
-            raise ValueError(f"tree shape must be one of {', '.join(SHAPES)}")
-        if not 0.0 <= self.p_split <= 1.0:
-            raise ValueError("--draft-p-split must be in [0, 1]")
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError("--draft-p-min must be in [0, 1)")
+        check_fields(self, "tree")
 
     @property
     def auto(self) -> bool:
@@ -138,19 +153,16 @@ class AutoConfig:
     lookup: bool = True  # prompt lookup
     memory: bool = True  # continuations from the speculation memory (backends.suffix), when it is on
     lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
-    explore_budget: float = 0.01  # most of the time spent trying options the estimates call worse
-    draft_max: int = 12  # longest draft chain or lookup proposal one step verifies
+    # most of the time spent trying options the estimates call worse
+    explore_budget: float = setting(0.01, range=Range(0.0, 0.2))
+    # longest draft chain or lookup proposal one step verifies
+    draft_max: int = setting(12, flag=DRAFT_MAX, range=AT_LEAST_1)
     # Most root-to-leaf paths of the memory's candidate tree verified in one step (a sequence id each);
     # 1: its likeliest chain only.
-    memory_paths: int = 8
+    memory_paths: int = setting(8, range=AT_LEAST_1)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.explore_budget <= 0.2:
-            raise ValueError("auto's exploration budget must be in [0, 0.2]")
-        if self.draft_max < 1:
-            raise ValueError("auto's draft_max must be at least 1")
-        if self.memory_paths < 1:
-            raise ValueError("auto's memory_paths must be at least 1")
+        check_fields(self, "auto")
 
 
 # The speculation memory's bound, in tokens (backends.suffix; docs/results.md, "Speculation memory": its size
@@ -167,16 +179,14 @@ PROMPT_CACHE_MIB = 2048
 class SuffixConfig:
     """`suffix`: token trees from the speculation memory and the request (SuffixDecoding's shape rule)."""
 
-    depth: int = 16  # deepest continuation proposed
-    max_nodes: int = 24  # most tree nodes verified in one step
-    factor: float = 2.0  # at most factor x the match length nodes (SuffixDecoding's alpha)
-    min_prob: float = 0.1  # a node at least this share of the occurrences goes through
+    depth: int = setting(16, range=AT_LEAST_1)  # deepest continuation proposed
+    max_nodes: int = setting(24, range=AT_LEAST_1)  # most tree nodes verified in one step
+    # at most factor x the match length nodes (SuffixDecoding's alpha)
+    factor: float = setting(2.0, range=Range(0.0, low_open=True))
+    min_prob: float = setting(0.1, range=PROBABILITY)  # a node at least this share of the occurrences goes through
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.max_nodes < 1:
-            raise ValueError("suffix's depth and max_nodes must be at least 1")
-        if self.factor <= 0 or not 0.0 <= self.min_prob <= 1.0:
-            raise ValueError("suffix's factor must be > 0 and min_prob in [0, 1]")
+        check_fields(self, "suffix")
 
     @property
     def n_seq_max(self) -> int:
@@ -185,8 +195,9 @@ class SuffixConfig:
 
 @dataclass(frozen=True)
 class StrategyOptions:
-    """Settings of every strategy; each takes its own part. `suffix_cache` False: this generation neither
-    consults nor updates the speculation memory (a request that must not be remembered)."""
+    """Settings of every strategy; each takes its own part, the section named after it (a request's
+    `speculative` object sets the fields of its strategy's section). `suffix_cache` False: this generation
+    neither consults nor updates the speculation memory (a request that must not be remembered)."""
 
     sps: SpsConfig = field(default_factory=SpsConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)

@@ -59,10 +59,16 @@ class EngineConfig:
     # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept. What
     # strategies learnt (auto's estimates) is kept beside it, in LEARNT_FILE, or not at all.
     cost_cache: Path | None = None
-    # The speculation memory's folder (backends.suffix: one file per vocabulary); None: the data dir's
-    # (or $SPECCHAT_SUFFIX_CACHE), "": no memory. Its bound, in tokens.
-    suffix_cache: Path | None = None
+    # The speculation memory (backends.suffix): kept and consulted, or not at all (--no-suffix-cache).
+    suffix_cache: bool = True
+    # Its folder (one file per vocabulary); None: $SPECCHAT_SUFFIX_CACHE, else the data dir's. Its bound, in tokens.
+    suffix_cache_dir: Path | None = None
     suffix_cache_size: int = SUFFIX_CACHE_TOKENS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.suffix_cache, bool):  # the folder was once given here: say where it goes now
+            raise TypeError(f"EngineConfig.suffix_cache is on or off, got {self.suffix_cache!r}; a folder for the "
+                            "speculation memory is suffix_cache_dir")
 
 
 def cost_cache_path(configured: Path | None) -> Path | None:
@@ -120,7 +126,7 @@ class Engine:
         self.learnt = Learnt(JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None),
                              lambda: self._cost_key)
         self._memory: SuffixStore | None = None
-        self._memory_dir = suffix_cache_dir(config.suffix_cache)
+        self._memory_dir = suffix_cache_dir(config.suffix_cache_dir) if config.suffix_cache else None
         per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
         self.slots: list[Slot] = []
         for i in range(n_par):

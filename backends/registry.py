@@ -4,7 +4,12 @@ common_speculative types or vLLM's proposer registry keep them in one place.
 An entry holds the name, the help line, whether it needs a draft model, the
 sequence ids its contexts need, its label in the flag vocabulary (bench rows,
 the chat app's stats bar), the settings grid `bench --sweep` tries, and how to
-build it on an engine. Adding a strategy is one entry here plus its module.
+build it on an engine. Adding a strategy is one entry here plus its module,
+and, if it has settings, their dataclass in backends.config as a section of
+StrategyOptions named after it: each field declares there its flag, its F4
+label, its range and words (backends.settings_schema), and the command line,
+the settings file, the chat app's settings panel and the server's
+`speculative` object take it from that declaration.
 
 This module imports no llama.cpp: the command line and the chat app's
 settings read it at start-up; the strategy modules are imported only when a

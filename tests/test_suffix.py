@@ -158,7 +158,7 @@ def test_merged_tree_keeps_the_heaviest_nodes_parents_first() -> None:
 @pytest.fixture()
 def memory_engine(tiny, tmp_path: Path) -> Engine:
     engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1, n_seq_max=32,
-                                 suffix_cache=tmp_path / "memory"))
+                                 suffix_cache_dir=tmp_path / "memory"))
     yield engine
     engine.close()
 
@@ -194,7 +194,7 @@ def test_suffix_trees_keep_the_target_law(tiny, tmp_path: Path, strategy: str) -
     """With a memory that holds several continuations of the prompt, trees are proposed and verified; the
     output's law is the target's (chi-square at alpha 1e-4 on the 15-token vocabulary)."""
     engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32,
-                                 suffix_cache=tmp_path / "memory"))
+                                 suffix_cache_dir=tmp_path / "memory"))
     try:
         prompt = [1, 4, 6, 8]
         remember_continuations(engine, [4, 6, 8], seed=1)

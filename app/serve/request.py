@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping
 
 from starlette.responses import JSONResponse
@@ -22,6 +22,7 @@ from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed
 from backends.sampling import GenParams
+from backends.settings_schema import Knob, json_value, knobs, strategy_flags
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long conversation fits many times over
 MAX_QUEUED = 64  # requests waiting for the engine; more are refused with 503
@@ -245,9 +246,6 @@ def logprobs_count(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
 
 # -- per-request speculation ------------------------------------------------
 
-_LLAMA_SERVER_KEYS = ("n_max", "n_min", "p_min")
-
-
 def _speculative_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """The `speculative` object merged with llama-server's flat `speculative.X` keys."""
     nested = body.get("speculative") or {}
@@ -260,22 +258,23 @@ def _speculative_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     return {**flat, **nested}
 
 
-def _typed(section: object, name: str, value: Any) -> Any:
-    """`value` checked against the type of the dataclass field's current value (JSON gives no more)."""
-    current = getattr(section, name)
-    param = f"speculative.{name}"
-    if isinstance(current, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(current, int) or name == "nodes":
-        ok = (isinstance(value, int) and not isinstance(value, bool)) or (name == "nodes" and value == "auto")
-    elif isinstance(current, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, type(current))
-    if not ok:
-        raise bad(f"'{param}' must be of type {type(current).__name__}", param)
-    return value
+def _typed(knob: Knob, value: Any, name: str) -> Any:
+    """`value` checked against the field's declared kind (JSON gives no more)."""
+    try:
+        return json_value(knob, value)
+    except ValueError as e:
+        raise bad(f"'speculative.{name}' must be of type {e}", f"speculative.{name}") from None
+
+
+def speculative_keys(options: StrategyOptions) -> tuple[dict[str, tuple[Knob, ...]], dict[str, dict[str, Knob]]]:
+    """What a `speculative` object may set besides `strategy` and `suffix_cache`: llama-server's names for the
+    fan-out flags (n_max: --draft-max, p_min: --draft-p-min) with the fields each sets, and each strategy's
+    section fields by name."""
+    shared = {flag.request_key: ks for flag, ks in strategy_flags(options) if flag.request_key is not None}
+    sections: dict[str, dict[str, Knob]] = {}
+    for knob in knobs(options):
+        sections.setdefault(knob.section, {})[knob.name] = knob
+    return shared, sections
 
 
 def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
@@ -286,9 +285,10 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
     remember = spec.pop("suffix_cache", True)
     if not isinstance(remember, bool):
         raise bad("'speculative.suffix_cache' must be true or false", "speculative.suffix_cache")
-    n_max = spec.pop("n_max", None)
-    n_min = spec.pop("n_min", None)
-    p_min = spec.pop("p_min", None)
+    shared, sections = speculative_keys(defaults.options)
+    given = {key: value for key in shared if (value := spec.pop(key, None)) is not None}
+    n_max = given.get("n_max")
+    n_min = spec.pop("n_min", None)  # llama-server's, checked only: no setting of specchat's matches it
     if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 0):
         raise bad("'speculative.n_max' must be an integer >= 0", "speculative.n_max")
     if strategy is None:
@@ -304,20 +304,18 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
     _check_n_min(n_min, n_max)
     options = defaults.options
     changes: dict[str, Any] = {}
-    if n_max:  # llama-server's most drafted tokens: K of the draft chain and of prompt lookup, as --draft-max
-        changes.update({"sps.draft_max": n_max, "lookup.draft_max": n_max, "auto.draft_max": n_max})
-    if p_min is not None:  # as --draft-p-min: the chain's and the static tree's stopping probability
-        p = _typed(options.sps, "p_min", p_min)
-        changes.update({"sps.p_min": p, "tree.p_min": p})
+    for key, value in given.items():  # as the flag does: n_max as --draft-max, p_min as --draft-p-min
+        if key != "n_max" or value:  # n_max 0: plain decoding, chosen above
+            typed = _typed(shared[key][0], value, key)
+            changes.update({knob.path: typed for knob in shared[key]})
     if spec:
-        section = getattr(options, strategy, None)
-        names = {f.name for f in fields(section)} if section is not None else set()
-        unknown = sorted(set(spec) - names)
+        section = sections.get(strategy, {})
+        unknown = sorted(set(spec) - set(section))
         if unknown:
-            allowed = ", ".join(["strategy", "suffix_cache", *_LLAMA_SERVER_KEYS, *sorted(names)])
+            allowed = ", ".join(["strategy", "suffix_cache", *sorted([*shared, "n_min"]), *sorted(section)])
             raise bad(f"unknown setting {unknown[0]!r} for strategy {strategy!r}; allowed: {allowed}",
                        f"speculative.{unknown[0]}")
-        changes.update({f"{strategy}.{name}": _typed(section, name, value) for name, value in spec.items()})
+        changes.update({section[name].path: _typed(section[name], value, name) for name, value in spec.items()})
     if not remember:  # this request neither consults nor updates the speculation memory
         changes["suffix_cache"] = False
     try:

@@ -1,9 +1,11 @@
 """The settings panel: models, strategy and its knobs, sampling, system prompt.
 
 Each field names a path into `app.settings.Settings` (e.g.
-`options.sps.draft_max`); its type comes from the current value, and the
-dataclasses' own checks validate the result, so the panel has no rules of its
-own to drift from the CLI's. Changes apply from the next turn.
+`options.sps.draft_max`). The strategies' rows, their labels and the words
+their number fields take (`auto`) come from the fields' declarations in
+backends.config; the other rows' types come from the current value. The
+dataclasses' own checks validate the result, so the panel has no rules of
+its own to drift from the CLI's. Changes apply from the next turn.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from textual.widgets import Button, Input, Label, Select, Static, Switch
 
 from app.settings import Settings, get_path, with_path
 from backends.registry import STRATEGIES
-from backends.config import AUTO
+from backends.settings_schema import Knob, knobs, parse_text
 
-# (path in Settings, label); the strategy is a Select, booleans are Switches.
-FIELDS: tuple[tuple[str, str], ...] = (
+# (path in Settings, label) before and after the strategies' rows; the strategy is a Select, booleans are Switches.
+HEAD_FIELDS: tuple[tuple[str, str], ...] = (
     ("target", "Target model"),
     ("draft", "Draft model"),
     ("strategy", "Strategy"),
@@ -32,40 +34,39 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("params.top_k", "Top-k"),
     ("params.min_p", "Min-p"),
     ("params.seed", "Seed"),
-    ("options.sps.draft_max", "sps: K"),
-    ("options.sps.p_min", "sps: p_min"),
-    ("options.sps.adaptive", "sps: adaptive K"),
-    ("options.lookahead.window", "lookahead: W"),
-    ("options.lookahead.ngram", "lookahead: N"),
-    ("options.lookahead.guesses", "lookahead: G"),
-    ("options.lookup.draft_max", "lookup: K"),
-    ("options.lookup.ngram_max", "lookup: n-gram max"),
-    ("options.tree.depth", "tree: depth"),
-    ("options.tree.top_k", "tree: top-k"),
-    ("options.tree.nodes", "tree: nodes M"),
-    ("options.tree.shape", "tree: shape"),
-    ("options.tree.p_split", "tree: p_split"),
+)
+TAIL_FIELDS: tuple[tuple[str, str], ...] = (
     ("system_prompt", "System prompt"),
     ("n_ctx", "Context size"),
     ("speculation_view", "Speculation view"),
 )
 # Fields that may be left empty (None): an empty seed means a random one.
 OPTIONAL = frozenset({"target", "draft", "params.seed"})
-# Number fields that also take a word.
-WORDS = {"options.tree.nodes": (AUTO,)}
+
+
+def strategy_rows(settings: Settings) -> dict[str, Knob]:
+    """The strategies' fields that declare a label, by their path in Settings, in declaration order."""
+    return {f"options.{k.path}": k for k in knobs(settings.options) if k.setting.label is not None}
+
+
+def screen_fields(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """Every row of the panel: (path in Settings, label)."""
+    rows = tuple((path, str(k.setting.label)) for path, k in strategy_rows(settings).items())
+    return HEAD_FIELDS + rows + TAIL_FIELDS
 
 
 def _field_id(path: str) -> str:
     return "f-" + path.replace(".", "-").replace("_", "-")
 
 
-def parse_value(path: str, text: str, current: Any) -> Any:
-    """The typed value of a field's text; the type is the current value's."""
+def parse_value(path: str, text: str, current: Any, knob: Knob | None = None) -> Any:
+    """The typed value of a field's text: as a strategy's field declares it (`knob`), else the current value's
+    type."""
+    if knob is not None:
+        return parse_text(knob, text)
     text = text.strip()
     if path in OPTIONAL and not text:
         return None
-    if path in WORDS and text in WORDS[path]:
-        return text
     if path == "params.seed" or (isinstance(current, int) and not isinstance(current, bool)):
         return _number(int, text)
     if isinstance(current, float):
@@ -86,12 +87,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def __init__(self, settings: Settings) -> None:
         super().__init__()
         self.settings = settings
+        self.rows = screen_fields(settings)
+        self.row_knobs = strategy_rows(settings)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-panel"):
             yield Static("Settings — applied from the next turn", classes="title")
             with VerticalScroll():
-                for path, label in FIELDS:
+                for path, label in self.rows:
                     with Horizontal(classes="field"):
                         yield Label(label)
                         yield self._editor(path)
@@ -112,14 +115,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def collect(self) -> Settings:
         """The settings as edited; raises ValueError naming the first bad field."""
         out = self.settings
-        for path, label in FIELDS:
+        for path, label in self.rows:
             widget = self.query_one(f"#{_field_id(path)}")
             current = get_path(self.settings, path)
             try:
                 if isinstance(widget, (Select, Switch)):
                     value = widget.value
                 else:
-                    value = parse_value(path, widget.value, current)
+                    value = parse_value(path, widget.value, current, self.row_knobs.get(path))
                 out = with_path(out, path, value)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{label}: {e}") from None

@@ -178,7 +178,7 @@ def open_engine(args: argparse.Namespace, memory: Path, keep: Path | None = None
     target = resolve_model(args.m, lambda _m: None, None)
     draft = resolve_model(args.md, lambda _m: None, None) if args.md else None
     return Engine(EngineConfig(target, draft, n_ctx=4096, threads=args.t, n_seq_max=64,
-                               cost_cache=(keep or memory.parent) / COST_FILE, suffix_cache=memory))
+                               cost_cache=(keep or memory.parent) / COST_FILE, suffix_cache_dir=memory))
 
 
 def config_engines(args: argparse.Namespace, memory: Path, labels: list[str]) -> dict[str, Engine]:
