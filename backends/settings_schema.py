@@ -17,7 +17,7 @@ Plain data and no project imports: `specchat --help` stays instant.
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any
 
 SCHEMA_KEY = "specchat"  # the key of a field's metadata that holds its Setting
@@ -93,7 +93,8 @@ def setting_of(f: Field) -> Setting | None:
 
 @dataclass(frozen=True)
 class Knob:
-    """A declared field, found by the walk: its path below the options ("sps.draft_max") and its default."""
+    """A declared field, found by the walk: its path below the options ("sps.draft_max") and its declared
+    default (whatever value the options hold, the kind is the declaration's)."""
 
     path: str
     default: Any
@@ -135,8 +136,8 @@ def knobs(options: object) -> tuple[Knob, ...]:
     for section in fields(options):  # type: ignore[arg-type]
         value = getattr(options, section.name)
         if is_dataclass(value):
-            out.extend(Knob(f"{section.name}.{f.name}", getattr(value, f.name), setting_of(f) or Setting())
-                       for f in fields(value))
+            out.extend(Knob(f"{section.name}.{f.name}", getattr(value, f.name) if f.default is MISSING else f.default,
+                            setting_of(f) or Setting()) for f in fields(value))
     return tuple(out)
 
 

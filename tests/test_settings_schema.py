@@ -182,6 +182,11 @@ def test_a_number_or_a_word_is_read_in_one_place(tmp_path: Path) -> None:
     assert parse_value("options.tree.nodes", " auto ", 8, nodes) == "auto"
     with pytest.raises(ValueError, match="a whole number or 'auto'"):
         parse_value("options.tree.nodes", "many", 8, nodes)
+    # The kind is the declaration's, not the current value's: nodes now 'auto', p_min now the int 0.
+    edited = with_path(with_path(Settings(), "options.tree.nodes", "auto"), "options.sps.p_min", 0)
+    rows = strategy_rows(edited)
+    assert parse_value("options.tree.nodes", "12", "auto", rows["options.tree.nodes"]) == 12
+    assert parse_value("options.sps.p_min", "0.2", 0, rows["options.sps.p_min"]) == 0.2
     (tmp_path / "s.json").write_text('{"version": 2, "options": {"tree": {"nodes": "many"}}}')
     assert "int or 'auto'" in str(load_settings(tmp_path / "s.json")[1])
     with pytest.raises(ApiError, match="int or 'auto'"):
