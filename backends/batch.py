@@ -12,7 +12,7 @@ generation whose machine raises, or ends in an error, ends alone and its slot
 is emptied (what a step left half done in its caches is unknown).
 
 The choices of one request (`n` > 1) share its prompt: the first decodes it,
-the others wait for it (`backends.scheduler.PAUSE`) and then hold the same
+the others wait for it (`backends.steps.PAUSE`) and then hold the same
 cells (`KvSequence.copy_prefix`: a unified cache shares them, nothing is
 decoded twice).
 """
@@ -26,7 +26,8 @@ from backends.events import Done, Event, Prefilled
 from backends.kv import common_prefix
 from backends.prompt_cache import PromptCache
 from backends.sampling import GenParams
-from backends.scheduler import PAUSE, Scheduler, Steps
+from backends.scheduler import Scheduler
+from backends.steps import PAUSE, Steps
 from backends.strategies.base import never
 
 if TYPE_CHECKING:

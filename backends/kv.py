@@ -17,11 +17,12 @@ batch layouts run alone or beside other sequences, and removing or keeping
 cells never touches another sequence's ids.
 
 Decoding comes in two forms. `decoding`, `extending` and `syncing` are step
-machines' coroutines: they *yield* a `Decode` (rows to decode) and receive
-the batch rows they landed on, so that a scheduler can pack the rows of many
-sequences into one `llama_decode` (backends.scheduler). `decode_rows`,
-`extend` and `sync` run the same code and decode at once: for measurements,
-tests and tools that hold the context alone.
+machines' coroutines (backends.steps): they *yield* a `Decode` (rows to
+decode) and receive the batch rows they landed on, so that a scheduler can
+pack the rows of many sequences into one `llama_decode` (backends.scheduler).
+`decode_rows`, `extend` and `sync` run the same code and decode at once
+(backends.steps.run_now): for measurements, tests and tools that hold the
+context alone.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from typing import Generator, Iterable, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError
 from backends.llama import Batch, LlamaContext
-
-# One row of a batch: token, position, sequence ids, whether its logits are wanted.
-Entry = tuple[int, int, Sequence[int], bool]
+from backends.steps import Decode, Entry, Rows, run_now
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -66,34 +65,6 @@ class Lane:
         rows = [[self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries] for entries in requests]
         self.ctx.decode(self.batch)
         return rows
-
-
-class Decode:
-    """What a step machine yields to have rows decoded: the entries (global sequence ids) and their lane.
-
-    The answer sent back is the list of batch rows the entries landed on;
-    their logits are valid until the lane's next decode.
-    """
-
-    __slots__ = ("lane", "entries")
-
-    def __init__(self, lane: Lane, entries: list[Entry]) -> None:
-        self.lane = lane
-        self.entries = entries
-
-
-Rows = Generator[Decode, list[int], list[int]]
-
-
-def run_now(steps: Generator[Decode, list[int], object]) -> object:
-    """Drive a coroutine of this module alone, decoding each request at once; its return value."""
-    rows: list[int] | None = None
-    try:
-        while True:
-            request = steps.send(rows)  # type: ignore[arg-type]
-            rows = request.lane.decode([request.entries])[0]
-    except StopIteration as stop:
-        return stop.value
 
 
 class KvSequence:

@@ -1,13 +1,10 @@
-"""Driving step machines: one sequence alone (`run_solo`) or many in one batch (`Scheduler`).
+"""Many step machines in one batch (`Scheduler`): continuous batching.
 
-A strategy is a step machine (backends.strategies.base): a generator that
-yields the engine's events (backends.events) and, whenever it needs rows
-decoded, a `backends.kv.Decode`, and is sent back the batch rows they landed
-on. It never calls llama_decode itself, so whoever drives it decides how the
-rows of many sequences share a forward pass.
-
-`run_solo` drives one: each request is decoded at once. `specchat run`, the
-chat app and `bench` go through it, so there is one decode path.
+A strategy is a step machine (the protocol: backends.steps): it yields the
+engine's events and, whenever it needs rows decoded, a `Decode`, and is sent
+back the batch rows they landed on. One machine alone is driven by
+backends.steps.run_solo; the scheduler drives many with the same loop
+(backends.steps.advance).
 
 `Scheduler` drives many, as llama-server's slots and vLLM's scheduler do
 (continuous batching). One tick: every sequence runs until it wants rows
@@ -22,74 +19,24 @@ does not fit this tick's batch waits for the next one (who goes first rotates). 
 thrown into every sequence that had rows in it (their strategies end with
 `Done(reason="error")`), and a sequence whose machine raises ends alone.
 
-`BatchLoad` is what the last target batch held: `auto` prices its rows
-against it, since under load a row it adds delays every sequence in the batch.
+`load` (a backends.steps.BatchLoad) is what the last target batch held: `auto`
+prices its rows against it, since under load a row it adds delays every
+sequence in the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Generator, Iterator, Optional, Union
+from typing import Callable
 
 from backends.errors import DecodeError
 from backends.events import Event
-from backends.kv import Decode, Lane
-
-class Pause:
-    """Yielded by a step machine that waits on another sequence (the prompt another choice of the same request
-    is decoding): it decodes nothing and runs again at the next step."""
-
-    __slots__ = ()
-
-
-PAUSE = Pause()
-
-Steps = Generator[Union[Event, Decode, Pause], Optional[list[int]], None]
-
-
-def run_solo(steps: Steps) -> Iterator[Event]:
-    """The events of one step machine, each of its requests decoded at once."""
-    rows: list[int] | None = None
-    error: BaseException | None = None
-    try:
-        while True:
-            try:
-                item = steps.throw(error) if error is not None else steps.send(rows)
-            except StopIteration:
-                return
-            rows = error = None
-            if isinstance(item, Decode):
-                try:
-                    rows = item.lane.decode([item.entries])[0]
-                except DecodeError as e:
-                    error = e
-            elif not isinstance(item, Pause):
-                yield item
-    finally:
-        steps.close()
-
-
-@dataclass
-class BatchLoad:
-    """The last target batch: how many sequences had rows in it, and how many rows it had in all; and how many
-    sequences the scheduler runs now (those that just joined included)."""
-
-    sequences: int = 1
-    rows: int = 1
-    running: int = 1
-
-    def others(self, own_rows: int = 1) -> tuple[int, int]:
-        """(sequences, rows) beside one sequence that put `own_rows` rows in it."""
-        return max(self.sequences - 1, 0), max(self.rows - own_rows, 0)
-
-
-SOLO = BatchLoad()
-
+from backends.kv import Lane
+from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
 
 class _Active:
     """One sequence in the scheduler: its machine, where its events go, and what it waits for."""
 
-    __slots__ = ("steps", "sink", "on_end", "pending", "rows", "error")
+    __slots__ = ("steps", "sink", "on_end", "pending", "reply")
 
     def __init__(self, steps: Steps, sink: Callable[[Event], None],
                  on_end: Callable[[BaseException | None], None]) -> None:
@@ -97,8 +44,7 @@ class _Active:
         self.sink = sink
         self.on_end = on_end
         self.pending: Decode | None = None
-        self.rows: list[int] | None = None
-        self.error: BaseException | None = None
+        self.reply: Reply = None  # the rows of its last request, or the error its decode raised
 
 
 class Scheduler:
@@ -123,23 +69,18 @@ class Scheduler:
 
     def _advance(self, a: _Active) -> bool:
         """Run `a` to its next request; False when it ended."""
-        rows, error = a.rows, a.error
-        a.rows = a.error = None
+        reply, a.reply = a.reply, None
         try:
-            while True:
-                item = a.steps.throw(error) if error is not None else a.steps.send(rows)
-                rows = error = None
-                if isinstance(item, Decode):
-                    a.pending = item
-                    return True
-                if isinstance(item, Pause):  # runs again after this step's decode
-                    return True
-                a.sink(item)
-        except StopIteration:
-            a.on_end(None)
+            request = advance(a.steps, reply, a.sink)
         except Exception as e:  # noqa: BLE001 - one sequence's failure ends it alone
             a.on_end(e)
-        return False
+            return False
+        if isinstance(request, Finished):
+            a.on_end(None)
+            return False
+        if isinstance(request, Decode):
+            a.pending = request
+        return True  # a Pause runs again after this step's decode
 
     def _decode(self, lane: Lane, waiting: list[_Active]) -> list[_Active]:
         """Pack the waiting requests of one lane into one batch, in order, as many as fit, and decode it; the
@@ -149,7 +90,7 @@ class Scheduler:
         for a in waiting:
             size = len(a.pending.entries)  # type: ignore[union-attr]
             if size > lane.capacity:
-                a.error = ValueError(f"{size} rows do not fit in a batch of {lane.capacity}")
+                a.reply = ValueError(f"{size} rows do not fit in a batch of {lane.capacity}")
                 a.pending = None
             elif used + size <= lane.capacity:
                 batch.append(a)
@@ -160,10 +101,10 @@ class Scheduler:
             rows = lane.decode([a.pending.entries for a in batch])  # type: ignore[union-attr]
         except DecodeError as e:
             for a in batch:
-                a.error, a.pending = e, None
+                a.reply, a.pending = e, None
             return batch
         for a, r in zip(batch, rows):
-            a.rows, a.pending = r, None
+            a.reply, a.pending = r, None
         if lane is self.target_lane:
             self.load.sequences, self.load.rows = len(batch), used
         return [a for a in waiting if a.pending is None]

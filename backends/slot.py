@@ -5,7 +5,7 @@ the draft and their settings rather than the whole server, a strategy is
 built on a `Slot`: the target's and the draft's sequences (backends.kv), the
 device's measured cost curve, what strategies learnt on these models
 (`Learnt`), and the load of the batch the sequence decodes in
-(backends.scheduler.BatchLoad). The engine makes slots (backends.engine);
+(backends.steps.BatchLoad). The engine makes slots (backends.engine);
 strategies never see it, so neither knows the other.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from backends.cost import DeviceCost
 from backends.kv import KvSequence
-from backends.scheduler import BatchLoad
+from backends.steps import BatchLoad
 from backends.store import JsonStore
 from backends.suffix import SuffixStore
 

@@ -20,12 +20,12 @@ from backends.config import AutoConfig, LookaheadConfig, LookupConfig, SpsConfig
 from backends.cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd
-from backends.kv import run_now
+from backends.steps import run_now
 from backends.sampling import GenParams
 from backends.strategies.auto import AutoDecoding
 from backends.strategies.auto.decide import (BACKOFF_MAX, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX, best_chain_length,
                                              expected_chain_tokens, explore_interval)
-from backends.strategies.auto.generation import _Generation
+from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
                                             confidence_bin, lookup_acceptance, lookup_key)
 from backends.strategies.lookup import NgramIndex
@@ -57,10 +57,10 @@ def _engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int 
 
 
 def _prefilled(engine: Engine, options: StrategyOptions = StrategyOptions(), prompt: list[int] | None = None,
-               max_tokens: int = 64) -> _Generation:
+               max_tokens: int = 64) -> Generation:
     """One generation of auto on the engine's first slot, its prompt decoded, to ask its decisions directly."""
     prompt = engine.tokenize(TINY_PROMPTS[0]) if prompt is None else prompt
-    gen = _Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=max_tokens))
+    gen = Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=max_tokens))
     run_now(gen.prefill())
     return gen
 
@@ -196,18 +196,18 @@ def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verificatio
     try:
         gen = _prefilled(engine)
         rate = 1 / 0.01
-        assert gen.relative(2) == pytest.approx(1.6) and gen.relative(3) == pytest.approx(2.0)
-        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "on the measured curve: plain"
+        assert gen.costs.relative(2) == pytest.approx(1.6) and gen.costs.relative(3) == pytest.approx(2.0)
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 0, "on the measured curve: plain"
         for _ in range(300):  # every batch of 2 took 1.3 plain steps: 0.3 extra where the curve predicted 0.6
             engine.auto_states["greedy"].batch_scale.add(0.3, 0.6)
-        assert gen.relative(2) == pytest.approx(1.3, abs=0.03)
-        assert gen.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
-        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "on the corrected one: lookup"
+        assert gen.costs.relative(2) == pytest.approx(1.3, abs=0.03)
+        assert gen.costs.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 1, "on the corrected one: lookup"
         engine.auto_states["greedy"] = AutoState(learn_timing=False)
         gen = _prefilled(engine)
         for _ in range(300):
             engine.auto_states["greedy"].batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
-        assert gen.relative(2) == pytest.approx(2.2, abs=0.05)
+        assert gen.costs.relative(2) == pytest.approx(2.2, abs=0.05)
     finally:
         engine.close()
 
@@ -649,29 +649,29 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
     other sequences with 3 rows in all, the same row makes the batch T(5)/T(4) = 1.385 times longer for all 4
     of them: it costs 1 + 4 x 0.385 plain steps of this sequence and does not pay. Alone again, the decision
     is the lone one exactly."""
-    from backends.scheduler import BatchLoad
+    from backends.steps import BatchLoad
 
     curve = BatchCost(tuple(0.01 * (1 + 0.1 * (k - 1) if k <= 4 else 1.3 + 0.5 * (k - 4)) for k in range(1, 17)))
     engine = _engine(tiny, None, DeviceCost(curve, 0.0))
     try:
         gen = _prefilled(engine)
         rate = 1 / 0.01
-        alone = gen.relative(2)
+        alone = gen.costs.relative(2)
         assert alone == pytest.approx(1.1)
-        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 1, "alone: the lookup pays"
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 1, "alone: the lookup pays"
         gen.slot.load = BatchLoad(sequences=4, rows=4)  # this one's plain row + 3
-        assert gen.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1))
-        assert best_chain_length([0.4], rate, 0.01, gen.relative)[0] == 0, "under load: plain"
-        assert best_chain_length([0.95] * 4, rate, 0.01, gen.relative)[0] == 0, "even a likely chain on a steep curve"
+        assert gen.costs.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1))
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 0, "under load: plain"
+        assert best_chain_length([0.95] * 4, rate, 0.01, gen.costs.relative)[0] == 0, "even a likely chain on a steep curve"
         flat_engine = _engine(tiny, None, DeviceCost(flat(), 0.0))
         try:
             flat_gen = _prefilled(flat_engine)
             flat_gen.slot.load = BatchLoad(sequences=4, rows=4)
-            assert best_chain_length([0.4], rate, 0.01, flat_gen.relative)[0] == 1, "rows are free: it pays"
+            assert best_chain_length([0.4], rate, 0.01, flat_gen.costs.relative)[0] == 1, "rows are free: it pays"
         finally:
             flat_engine.close()
         gen.slot.load = BatchLoad()
-        assert gen.relative(2) == alone
+        assert gen.costs.relative(2) == alone
     finally:
         engine.close()
 

@@ -12,7 +12,7 @@ from backends.events import TARGET
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, sample_logits
-from backends.scheduler import Steps
+from backends.steps import Steps
 from backends.strategies.base import StepMachine, drive, never
 
 

@@ -1,11 +1,13 @@
 """The `Strategy` role, and the loop every strategy shares.
 
-A strategy is a step machine: `steps(prompt, params, should_stop)` returns a
-generator that yields the engine's events and, whenever it wants rows
-decoded, a `backends.kv.Decode` (through its sequences' `decoding`,
-`extending` and `syncing`), and is sent back the batch rows. Whoever drives it
-packs those rows: `generate` drives it alone (backends.scheduler.run_solo),
-`specchat serve` drives many at once in one batch (backends.scheduler.Scheduler).
+A strategy is a step machine (the protocol: backends.steps): `steps(prompt,
+params, should_stop)` returns a generator that yields the engine's events
+and, whenever it wants rows decoded, a `Decode` (through its sequences'
+`decoding`, `extending` and `syncing`), and is sent back the batch rows.
+Whoever drives it packs those rows: `generate` drives it alone
+(backends.steps.run_solo), `specchat serve` drives many at once in one batch
+(backends.scheduler.Scheduler). A strategy imports neither the scheduler nor
+the engine.
 
 A strategy supplies its prompt decode and one step (one target forward pass
 and the events it yields); `drive` wraps them with the start, the stop checks
@@ -22,7 +24,7 @@ from backends.events import Done, Event
 from backends.grammar import GrammarError
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.scheduler import Steps, run_solo
+from backends.steps import Steps, run_solo, tap
 
 if TYPE_CHECKING:
     from backends.suffix import SuffixStore
@@ -108,22 +110,8 @@ class Remembering:
         return run_solo(self.steps(prompt, params, should_stop))
 
     def _remembered(self, inner: Steps, head: list[int]) -> Steps:
-        sent: object = None
-        thrown: BaseException | None = None
-        try:
-            while True:
-                try:
-                    item = inner.throw(thrown) if thrown is not None else inner.send(sent)  # type: ignore[arg-type]
-                except StopIteration:
-                    return
-                sent, thrown = None, None
-                if isinstance(item, Done) and item.reason in ("eos", "length", "stop") and item.tokens:
-                    self.memory.add(head + list(item.tokens))
-                try:
-                    sent = yield item
-                except GeneratorExit:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - a decode error thrown in by the driver: passed on
-                    thrown = e
-        finally:
-            inner.close()
+        def observe(event: Event) -> None:
+            if isinstance(event, Done) and event.reason in ("eos", "length", "stop") and event.tokens:
+                self.memory.add(head + list(event.tokens))
+
+        return tap(inner, observe)

@@ -18,9 +18,10 @@ from typing import Generator, Sequence
 import numpy as np
 
 from backends.events import Event, Source
-from backends.kv import Decode, KvSequence
+from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities, sample_logits
+from backends.steps import Decode
 from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
 
 

@@ -29,10 +29,10 @@ import numpy as np
 
 from backends.config import LookaheadConfig
 from backends.events import TARGET
-from backends.kv import Decode, KvSequence
+from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams, argmax, sample_logits
-from backends.scheduler import Steps
+from backends.steps import Decode, Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import pick_among
 from backends.strategies.chain import chain_step, forced_step

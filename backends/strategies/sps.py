@@ -2,7 +2,8 @@
 
 Leviathan, Kalman & Matias 2023 (Algorithm 1) and Chen et al. 2023; the loop
 follows llama.cpp's `examples/speculative-simple` with `common/speculative.cpp`:
-the draft model (own context, own KV cache) proposes up to K tokens, the target
+the draft model (own context, own KV cache) proposes up to K tokens
+(backends.strategies.drafting, the loop `auto` drafts with too), the target
 scores `[last token, d1..dK]` in one batch with logits on every row, and both
 caches are rolled back past the first rejection.
 
@@ -16,15 +17,14 @@ from __future__ import annotations
 
 from typing import Callable, Generator, Iterator, Sequence
 
-import numpy as np
-
 from backends.config import SpsConfig
-from backends.kv import Decode, KvSequence
+from backends.kv import KvSequence
 from backends.run import Run
-from backends.sampling import GenParams, argmax, probabilities, sample, top_probability
-from backends.scheduler import Steps
+from backends.sampling import GenParams
+from backends.steps import Decode, Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.chain import chain_step, forced_step
+from backends.strategies.drafting import Chain, PMin, draft_chain
 
 
 class SpeculativeSampling(StepMachine):
@@ -39,42 +39,26 @@ class SpeculativeSampling(StepMachine):
         run = Run(self.name, self.target.model, params, prompt, min(self.target.n_ctx, self.draft.n_ctx))
         cfg = self.config
         k_cur = cfg.draft_max
+        rule = PMin(cfg.p_min)
 
         def prefill() -> Generator[Decode, list[int], int]:
             yield from self.draft.syncing(prompt[:-1], logits=False)
             return (yield from self.target.syncing(prompt[:-1], logits=False))
 
-        def propose(k: int) -> Generator[Decode, list[int], tuple[list[int], list[np.ndarray]]]:
-            """Up to k draft tokens and, when sampling, the draft distribution each was drawn from."""
-            tokens: list[int] = []
-            dists: list[np.ndarray] = []
+        def propose(k: int) -> Generator[Decode, list[int], Chain]:
+            """Up to k draft tokens while the draft's confidence holds (and, when sampling, their distributions)."""
             if k == 0:
-                return tokens, dists
+                return Chain()
             yield from self.draft.syncing(run.context)
-            for i in range(k):
-                logits = run.logits(self.draft, path=tokens, drafter=True)
-                if params.greedy:
-                    tok = argmax(logits)
-                    confidence = top_probability(logits) if cfg.p_min > 0 else 1.0
-                else:
-                    q = probabilities(logits, params)
-                    tok = sample(q, run.rng)
-                    confidence = float(q.max())
-                    dists.append(q)
-                if confidence < cfg.p_min:
-                    dists[i:] = []
-                    break
-                tokens.append(tok)
-                if i + 1 < k:
-                    yield from self.draft.extending([tok])
-            return tokens, dists
+            return (yield from draft_chain(run, self.draft, k, rule, confidence=cfg.p_min > 0))
 
         def step() -> Iterator[object]:
             nonlocal k_cur
             if (yield from forced_step(run, self.target)):
                 return
-            drafts, dists = yield from propose(min(k_cur, run.room() - 1))
-            verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else dists)
+            chain = yield from propose(min(k_cur, run.room() - 1))
+            drafts = chain.tokens
+            verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else chain.dists)
             if cfg.adaptive and drafts:
                 if verdict.n_accepted == len(drafts):
                     k_cur = min(cfg.draft_max, k_cur + 2)

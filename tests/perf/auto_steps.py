@@ -33,7 +33,7 @@ from app.prompt_format import PromptFormat  # noqa: E402
 from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.events import Done, StepEnd  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
-from backends.strategies.auto.generation import TRYING  # noqa: E402
+from backends.strategies.auto.choose import TRYING  # noqa: E402
 
 MARKS = {"plain": ".", "lookup": "L", "draft": "D", "lookahead": "A"}
 

@@ -1,0 +1,172 @@
+"""What a step of `auto` costs here: the device's batch cost curve, the live step times, and the batch load.
+
+The seconds side of the decision (backends.strategies.auto.choose weighs
+them against expected tokens). Its inputs:
+  - the device's batch cost curve T(k)/T(1) and the draft's cost, measured
+    once per model files, threads and build and cached on disk
+    (backends.cost, Slot.device_cost), which seed
+  - the live time of a plain step and of a draft decode (`AutoState.t_plain`,
+    `t_draft`), learnt from every step this sequence decodes alone;
+  - the curve's error: the extra cost beyond one token is scaled by what
+    verification batches really took against what the curve predicts (the
+    ratio of decayed sums, `AutoState.batch_scale`), which also covers the
+    Python work per verified row: a curve measured once in a fast or slow
+    spell of a shared machine would otherwise steer every decision for as
+    long as it is kept;
+  - the batch this sequence decodes in (backends.steps.BatchLoad): beside
+    others, a row it adds delays every sequence of the batch, so its extra
+    time counts once for each of them (SmartSpec's goodput, arXiv 2406.14066).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from backends.cost import BatchCost, DeviceCost
+from backends.strategies.auto.state import AutoState, Ewma
+
+if TYPE_CHECKING:
+    from backends.slot import Slot
+
+# Under load, an extra row is priced by the curve's slope over at least this many rows from the batch's size
+# (curve_relative): a single step of the measured curve may be flat.
+LOAD_SLOPE_SPAN = 4
+# The least the batch cost curve's extra cost is scaled by (the calibration can approach 0 when verification
+# batches keep taking no longer than a plain step, as they may on a GPU): a row is never taken as free.
+MIN_CURVE_SCALE = 0.1
+# Before a draft decode is measured, it costs this share of a plain step.
+DRAFT_PRIOR = 0.5
+
+
+class CostModel:
+    """The seconds a step of one sequence costs, from the measured curve, the live times and the batch load."""
+
+    def __init__(self, state: AutoState, slot: "Slot") -> None:
+        self.state = state
+        self.slot = slot
+        self.curve: BatchCost | None = None
+        self.t1 = 0.0  # the measured T(1), seconds
+        self.own_rows = 1  # rows this sequence put in its last target batch (the others' are the rest of it)
+
+    def seed(self, cost: DeviceCost | None, has_draft: bool) -> None:
+        """Start from the device's measured cost (the live times start from it where nothing was learnt yet)."""
+        if cost is None:
+            return
+        self.curve = cost.batch
+        self.t1 = cost.batch.seconds[0]
+        st = self.state
+        if st.t_plain.value is None:
+            st.t_plain.seed(self.t1)
+        if st.t_draft.value is None and has_draft:
+            st.t_draft.seed(cost.draft * self.t1)
+
+    # -- learning ------------------------------------------------------------
+
+    def timing(self) -> bool:
+        """Whether what this step takes is learnt: alone only. Beside others, a step's wall time holds their
+        rows and prompt chunks too, so the times learnt alone (and the curve) are kept, and only acceptance is
+        learnt (a plain step's time swelled with others' prompt chunks would take the curve's correction to
+        its floor, and lookups that seldom pay would look worth verifying)."""
+        return self.state.learn_timing and self.batch() == (1, 0)
+
+    def learn(self, ewma: Ewma, x: float) -> None:
+        """Add a time (or a ratio of times) to a running mean, when timing is learnt."""
+        if self.timing():
+            ewma.add(x)
+
+    def learn_scale(self, seconds: float, drafts: int) -> None:
+        """What a verification of `drafts` rows past the pending token took, against the curve's prediction."""
+        if self.timing():
+            st = self.state
+            t_plain = st.t_plain.get(self.t1 or seconds)
+            predicted = self.curve_relative(drafts + 1, self.batch()[1]) - 1.0
+            # A step interrupted (another process, a pause of the collector) says nothing about the curve:
+            # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
+            st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
+
+    # -- pricing -------------------------------------------------------------
+
+    def t_plain(self) -> float:
+        """Seconds of a plain step, as learnt (seeded from the measured T(1))."""
+        return self.state.t_plain.get(self.t1 or 1.0)
+
+    def rate(self) -> float:
+        """R: tokens per second this engine reaches (never below plain decoding's)."""
+        st = self.state
+        plain = 1.0 / max(self.t_plain(), 1e-6)
+        if st.tokens.value and st.seconds.value:
+            return max(plain, st.tokens.value / st.seconds.value)
+        return plain
+
+    def batch(self) -> tuple[int, int]:
+        """(B, L): how many sequences the batch this one decodes in holds, and how many rows the others put
+        in it (backends.steps.BatchLoad): (1, 0) alone."""
+        load = self.slot.load
+        return max(load.sequences, 1), max(load.rows - self.own_rows, 0)
+
+    def t_draft_alone(self, t_plain: float) -> float:
+        """Seconds of one draft decode: measured alone, seeded from the device cost, else DRAFT_PRIOR steps."""
+        return self.state.t_draft.get(t_plain * DRAFT_PRIOR)
+
+    def t_draft(self, t_plain: float) -> float:
+        """Seconds a draft decode costs the batch: once for each of the B sequences in it (they all wait for
+        the draft phase of the step, backends.scheduler)."""
+        return self.t_draft_alone(t_plain) * self.batch()[0]
+
+    def relative(self, k: float) -> float:
+        """What verifying k rows costs, in plain steps of this sequence.
+
+        Alone: T(k)/T(1), the measured curve with its extra cost beyond one
+        token scaled by what verification batches really took
+        (AutoState.batch_scale). Beside others (B sequences, L rows of theirs),
+        the extra rows delay the whole batch: the time they add,
+        T(L+k)/T(L+1) - 1, counts once for each of the B sequences that wait
+        for it (Dinkelbach's rule over the batch's tokens per second, split
+        per sequence, as SmartSpec's goodput prices a batch). A lone sequence
+        gets exactly the decisions it gets alone; under load a row costs
+        more where the curve is steeper and the batch fuller, so fewer
+        sequences speculate, and those whose proposals are likeliest.
+        """
+        b, others = self.batch()
+        return self.shared(self.time_relative(k, others), b, others)
+
+    @staticmethod
+    def shared(time_relative: float, b: int, others: int) -> float:
+        """A step's time relative to a plain one, as a cost to the batch: its extra counted B times."""
+        if b == 1 and others == 0:
+            return time_relative
+        return 1.0 + b * (time_relative - 1.0)
+
+    def time_relative(self, k: float, others: int = 0) -> float:
+        """How much longer the batch takes with k rows of this sequence than with one (alone: T(k)/T(1)), from
+        the measured curve corrected by what verification batches took."""
+        base = self.curve_relative(k, others)
+        if self.curve is None:
+            return base
+        return 1.0 + max(self.state.batch_scale.factor(), MIN_CURVE_SCALE) * (base - 1.0)
+
+    def curve_relative(self, k: float, others: int = 0) -> float:
+        """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
+        never pays).
+
+        Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
+        measured on a busy machine is made non-decreasing by suffix minima (backends.cost.monotone), which
+        leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
+        (docs/results.md, "Continuous batching", traces what that cost)."""
+        if not others:
+            return self.curve_at(k)
+        lo = others + 1
+        hi = max(others + k, lo + LOAD_SLOPE_SPAN)
+        slope = (self.curve_at(hi) - self.curve_at(lo)) / (hi - lo)
+        return 1.0 + max(slope, 0.0) * (k - 1) / self.curve_at(lo)
+
+    def curve_at(self, k: float) -> float:
+        """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
+        if self.curve is None:
+            return float(k)
+        if k > len(self.curve.seconds):  # beyond the measurement: grow linearly from its last slope
+            n = len(self.curve.seconds)
+            last = self.curve.relative(n)
+            slope = last - self.curve.relative(n - 1)
+            return last + max(slope, 0.0) * (k - n)
+        return self.curve.relative(k)
