@@ -5,12 +5,8 @@ Speculation pays only when verifying k tokens costs little more than one
 (Leviathan et al. 2023, section 3.4: the expected improvement factor is
 (1 - alpha^(K+1)) / ((1 - alpha) (K c + T(K+1)/T(1))) for a draft of relative
 cost c and per-token acceptance alpha). The curve is measured on the user's
-device, with logits on every row as verification needs them.
-
-For a token tree the same ratio holds with EAGLE-2's estimate of the expected
-acceptance length (Li et al. 2024, section 4.2: 1 + the sum of the kept nodes'
-cumulative draft probabilities) in the numerator and T(M+1)/T(1) for a tree of
-M nodes (`best_tree_size`).
+device, with logits on every row as verification needs them. Which subtree
+of a token tree pays for its rows is backends.tree_pricing's.
 """
 
 from __future__ import annotations
@@ -157,28 +153,6 @@ def chain_speedup(alpha: float, k: int, draft_cost: float, cost: BatchCost) -> f
 def best_chain_speedup(alpha: float, draft_cost: float, cost: BatchCost, k_max: int = 16) -> tuple[float, int]:
     """The best speedup any fixed K can reach, and that K."""
     return max((chain_speedup(alpha, k, draft_cost, cost), k) for k in range(1, min(k_max, len(cost.seconds) - 1) + 1))
-
-
-def tree_speedup(path_probs: Sequence[float], m: int, draft_forwards: int, draft_cost: float,
-                 cost: BatchCost) -> float:
-    """Expected tokens per unit of target time for a tree of the first m nodes (see best_tree_size)."""
-    return (1.0 + sum(path_probs[:m])) / (draft_forwards * draft_cost + cost.relative(m + 1))
-
-
-def best_tree_size(path_probs: Sequence[float], draft_forwards: int, draft_cost: float, cost: BatchCost) -> int:
-    """How many of the nodes, best first, to verify: the M that maximizes tree_speedup.
-
-    `path_probs` are the nodes' cumulative draft probabilities in decreasing
-    order (EAGLE-2's rerank), so every prefix is a tree and 1 + sum(prefix) is
-    the expected number of tokens the step yields; the step costs the draft
-    forwards already spent plus the target batch of M+1 rows. Maximizing the
-    ratio is the marginal rule "add a node while its probability exceeds the
-    extra batch time it costs, priced at the step's current tokens per unit
-    time". M never exceeds the measured curve (no extrapolation); ties go to
-    the smaller tree. A flat curve keeps every node, a steep one few or none.
-    """
-    m_max = min(len(path_probs), len(cost.seconds) - 1)
-    return max(range(m_max + 1), key=lambda m: (tree_speedup(path_probs, m, draft_forwards, draft_cost, cost), -m))
 
 
 def predicted_speedup(tokens_per_forward: float, drafts_per_forward: float, batch_per_forward: float,

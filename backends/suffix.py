@@ -29,7 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,6 +38,7 @@ import numpy as np
 from backends.config import SUFFIX_CACHE_TOKENS
 from backends.suffix_file import (SuffixFile, SuffixStoreError, counters_path, read_counters,
                                    write_counters)
+from backends.token_tree import EMPTY, TokenTree, TreeBuilder
 
 SEP = -1
 BITS = 20  # token ids below 2^20 (1,048,576) fit three to an int64 key
@@ -47,74 +48,48 @@ MATCH_MAX = 32  # match lengths counted up to this many tokens back
 REBUILD_PENDING = 20_000  # tokens added since the last index build before it is rebuilt
 
 
-@dataclass
+@dataclass(frozen=True)
 class Continuations:
-    """Candidate continuations of the context: a token tree with each node's share of the occurrences.
+    """Candidate continuations of the context: a token tree (backends.token_tree) whose weights are each node's
+    share of the weighed occurrences that continue through it; `match` the longest match length behind them,
+    `support` how many occurrences were merged."""
 
-    `parents[i]` is node i's parent (-1: a child of the root), parents come first; `probs[i]` the share of
-    the weighed occurrences that continue through node i; `match` the longest match length behind them;
-    `support` how many occurrences were merged.
-    """
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
+    tree: TokenTree = EMPTY
     match: int = 0
     support: int = 0
 
+    def __post_init__(self) -> None:
+        if self.match < 0 or self.support < 0:
+            raise ValueError(f"a match length and a count are not negative, got {self.match} and {self.support}")
+
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.tree)
 
-    def best_chain(self, limit: int) -> tuple[list[int], list[float]]:
-        """The likeliest path from the root, up to `limit` tokens, with each node's share."""
-        best_child: dict[int, int] = {}  # parent -> its likeliest child (parents come first: one pass)
-        for i, p in enumerate(self.parents):
-            if p not in best_child or self.probs[i] > self.probs[best_child[p]]:
-                best_child[p] = i
-        chain: list[int] = []
-        probs: list[float] = []
-        node = best_child.get(-1)
-        while node is not None and len(chain) < limit:
-            chain.append(self.tokens[node])
-            probs.append(self.probs[node])
-            node = best_child.get(node)
-        return chain, probs
+    # Temporary, for backends.strategies.auto.generation until it reads `tree` (issue 41): the former fields.
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.tree.tokens
 
-    def path(self, i: int) -> list[int]:
-        out = []
-        while i >= 0:
-            out.append(self.tokens[i])
-            i = self.parents[i]
-        return out[::-1]
+    @property
+    def parents(self) -> tuple[int, ...]:
+        return self.tree.parents
+
+    @property
+    def probs(self) -> tuple[float, ...]:
+        return self.tree.weights
 
 
 def merge_continuations(sequences: Sequence[Sequence[int]], weights: Sequence[float], max_nodes: int,
                         match: int) -> Continuations:
     """A tree of the given continuations (each weighed), keeping the `max_nodes` nodes most occurrences pass."""
     total = float(sum(weights)) or 1.0
-    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    tokens: list[int] = []
-    parents: list[int] = []
-    mass: list[float] = []
+    merged = TreeBuilder()
     for seq, w in zip(sequences, weights):
-        parent = -1
-        for t in seq:
-            node = children.get((parent, t))
-            if node is None:
-                node = children[(parent, t)] = len(tokens)
-                tokens.append(int(t))
-                parents.append(parent)
-                mass.append(0.0)
-            mass[node] += w
-            parent = node
-    if len(tokens) > max_nodes:  # the heaviest nodes; a node's parent is at least as heavy, so it stays too
-        keep = sorted(range(len(tokens)), key=lambda i: (-mass[i], i))[:max_nodes]
-        kept = sorted(keep)
-        remap = {old: new for new, old in enumerate(kept)}
-        tokens = [tokens[i] for i in kept]
-        parents = [remap.get(parents[i], -1) if parents[i] >= 0 else -1 for i in kept]
-        mass = [mass[i] for i in kept]
-    return Continuations(tokens, parents, [m / total for m in mass], match, len(sequences))
+        merged.add_path(seq, w)
+    tree = merged.build()
+    if len(tree) > max_nodes:  # the heaviest nodes; a node's parent is at least as heavy, so it stays too
+        tree = tree.subset(sorted(range(len(tree)), key=lambda i: (-tree.weights[i], i))[:max_nodes])
+    return Continuations(replace(tree, weights=tuple(m / total for m in tree.weights)), match, len(sequences))
 
 
 class _Index:

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +25,10 @@ import pytest
 from backends.config import StrategyOptions, SuffixConfig
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.suffix import SuffixStore, merge_continuations
+from backends.strategies.suffix import prune_by_grammar, shaped
+from backends.suffix import Continuations, SuffixStore, merge_continuations
 from backends.suffix_file import SuffixFile, describe_file
+from backends.token_tree import TokenTree
 from engine_helpers import remember_continuations, run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 
@@ -37,18 +40,24 @@ def _store(path: Path | None, **kw) -> SuffixStore:
     return SuffixStore(path, HASH, N_VOCAB, **kw)
 
 
+def _likeliest(found: Continuations, limit: int) -> list[int]:
+    """The tokens of the path through each node's heaviest child (the largest share), up to `limit`."""
+    nodes = found.tree.likeliest_path(limit)
+    return found.tree.path(nodes[-1]) if nodes else []
+
+
 def test_a_continuation_seen_before_is_proposed_with_its_share(tmp_path: Path) -> None:
     store = _store(tmp_path / "m.bin")
     store.add([5, 6, 7, 8, 9, 10, 11, 12, 13])
     store.add([1, 7, 8, 9, 20, 21, 22, 23, 24])
     store.add([2, 3, 4, 40, 41, 42, 43, 44, 45])
-    tree = store.continuations([99, 6, 7, 8, 9], 4, 16)
-    assert tree.match >= 4  # "6 7 8 9" matched the first document further back than the second
-    chain, shares = tree.best_chain(4)
-    assert chain == [10, 11, 12, 13]
-    assert {tree.tokens[i] for i, p in enumerate(tree.parents) if p == -1} == {10, 20}
-    assert shares[0] > 0.5  # the longer match weighs more
-    assert not store.continuations([200, 201, 202], 4, 16).tokens
+    found = store.continuations([99, 6, 7, 8, 9], 4, 16)
+    assert found.match >= 4  # "6 7 8 9" matched the first document further back than the second
+    tree = found.tree
+    assert _likeliest(found, 4) == [10, 11, 12, 13]
+    assert {tree.tokens[i] for i in tree.children()} == {10, 20}
+    assert tree.weights[tree.likeliest_path(1)[0]] > 0.5  # the longer match weighs more
+    assert not len(store.continuations([200, 201, 202], 4, 16))
     assert store.stats()["hits"] == 1 and store.stats()["lookups"] == 2
 
 
@@ -60,7 +69,7 @@ def test_the_memory_persists_and_a_new_store_proposes_from_it(tmp_path: Path) ->
     first.flush()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600, "the owner's text: readable by the owner only"
     second = _store(path)
-    assert second.continuations(doc[:10], 5, 8).best_chain(5)[0] == doc[10:15]
+    assert _likeliest(second.continuations(doc[:10], 5, 8), 5) == doc[10:15]
 
 
 def test_a_record_cut_by_a_crash_is_dropped_and_the_rest_loads(tmp_path: Path) -> None:
@@ -75,7 +84,7 @@ def test_a_record_cut_by_a_crash_is_dropped_and_the_rest_loads(tmp_path: Path) -
         path.write_bytes(whole[:cut])
         got = _store(path)
         assert 8 <= got.stats()["documents"] <= 9
-        assert got.continuations(docs[0][:5], 3, 4).best_chain(3)[0] == docs[0][5:8]
+        assert _likeliest(got.continuations(docs[0][:5], 3, 4), 3) == docs[0][5:8]
 
 
 def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
@@ -142,14 +151,47 @@ def test_ten_thousand_generations_stay_under_the_bound(tmp_path: Path) -> None:
     info = describe_file(path)
     assert info["tokens"] == store.n_tokens and info["file_bytes"] < 20_000 * 4 + 60_000
     recent = store._docs[-1].tolist()
-    assert store.continuations(recent[:6], 4, 8).best_chain(4)[0] == recent[6:10], "the newest are kept"
+    assert _likeliest(store.continuations(recent[:6], 4, 8), 4) == recent[6:10], "the newest are kept"
 
 
 def test_merged_tree_keeps_the_heaviest_nodes_parents_first() -> None:
-    tree = merge_continuations([[1, 2, 3], [1, 2, 4], [1, 5], [6]], [3, 2, 1, 1], 4, 3)
-    assert len(tree) == 4 and all(p < i for i, p in enumerate(tree.parents))
-    assert tree.tokens[0] == 1 and tree.probs[0] == pytest.approx(6 / 7)
-    assert tree.best_chain(3)[0] == [1, 2, 3]
+    found = merge_continuations([[1, 2, 3], [1, 2, 4], [1, 5], [6]], [3, 2, 1, 1], 4, 3)
+    assert found.match == 3 and found.support == 4
+    # Masses: 1 -> 6, 1 2 -> 5, 1 2 3 -> 3, 1 2 4 -> 2, 1 5 -> 1, 6 -> 1; the four heaviest, shares of 7.
+    assert found.tree == TokenTree((1, 2, 3, 4), (-1, 0, 1, 1), (6 / 7, 5 / 7, 3 / 7, 2 / 7))
+    assert _likeliest(found, 3) == [1, 2, 3]
+
+
+def _shares() -> Continuations:
+    """root -> 10 (0.6) -> 12 (0.5) -> 14 (0.3); 10 -> 13 (0.1); root -> 11 (0.4) -> 15 (0.2)."""
+    return Continuations(TokenTree((10, 11, 12, 13, 14, 15), (-1, -1, 0, 0, 2, 1), (0.6, 0.4, 0.5, 0.1, 0.3, 0.2)),
+                         match=2, support=5)
+
+
+def test_suffix_verifies_the_heaviest_nodes_within_factor_x_match() -> None:
+    found = _shares()
+    # Budget ceil(1.5 x 2) = 3: the three heaviest, a tree.
+    assert shaped(found, SuffixConfig(factor=1.5, min_prob=0.0), 24) == TokenTree((10, 11, 12), (-1, -1, 0),
+                                                                                  (0.6, 0.4, 0.5))
+    # Only nodes at least min_prob of the occurrences go through; max_nodes bounds the budget too.
+    assert shaped(found, SuffixConfig(factor=8.0, min_prob=0.25), 24).tokens == (10, 11, 12, 14)
+    assert shaped(found, SuffixConfig(factor=8.0, min_prob=0.0), 2).tokens == (10, 12)
+
+
+def test_the_grammar_cuts_a_refused_node_with_its_subtree() -> None:
+    class Refusing:  # a Run under a grammar that refuses token 12 wherever it comes
+        constraint = object()
+        params = SimpleNamespace(mask_drafts=True)
+
+        @staticmethod
+        def valid_prefix(path: list[int]) -> list[int]:
+            return path[:path.index(12)] if 12 in path else path
+
+    found = _shares()
+    cut = prune_by_grammar(Refusing(), found)  # type: ignore[arg-type]
+    assert cut == Continuations(TokenTree((10, 11, 13, 15), (-1, -1, 0, 1), (0.6, 0.4, 0.1, 0.2)), 2, 5)
+    Refusing.params = SimpleNamespace(mask_drafts=False)
+    assert prune_by_grammar(Refusing(), found) is found, "drafts unmasked: nothing is cut"  # type: ignore[arg-type]
 
 
 # -- on real llama.cpp ------------------------------------------------------------------------------------------
@@ -262,4 +304,4 @@ def test_the_memory_at_the_end_of_the_room_proposes_nothing_and_fails_nothing(me
         memory._rebuild()  # into the sorted index, as a memory loaded from its file is
         for strategy in ("auto", "suffix"):
             assert run_to_done(memory_engine, strategy, prompt, GenParams(max_tokens=n)).tokens == alone.tokens
-    assert not memory.continuations(prompt, 0, 8).tokens
+    assert not len(memory.continuations(prompt, 0, 8))

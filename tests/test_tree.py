@@ -2,18 +2,24 @@
 
 Both shapes (EAGLE-2's dynamic tree, llama.cpp speculative.cpp's static
 branch splitting) and both budgets (a fixed M, M chosen per step from the
-batch cost curve, backends.cost.best_tree_size).
+batch cost curve, backends.tree_pricing.best_subtree, the rule `auto` prices
+its trees by).
 """
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
-from backends.cost import BatchCost, DeviceCost, best_tree_size
+from backends.cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
 from backends.config import StrategyOptions
 from backends.sampling import GenParams
 from backends.strategies.tree import AUTO, AUTO_K_MAX, TreeConfig, TreeSpeculation
+from backends.token_tree import TokenTree, TreeBuilder
+from backends.tree_pricing import best_subtree
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch
@@ -126,20 +132,70 @@ def _curve(per_token: float, k_max: int = AUTO_K_MAX) -> BatchCost:
     return BatchCost(tuple(1.0 + per_token * (k - 1) for k in range(1, k_max + 1)))
 
 
+def _tree_size(probs: list[float], draft_forwards: int, draft_cost: float, curve: BatchCost,
+               config: TreeConfig = TreeConfig(4, 4, AUTO)) -> int:
+    """M as the tree strategy chooses it for a drafted tree whose nodes' cumulative probabilities are `probs`
+    (all children of the root, so any order of them is a tree)."""
+    strategy = TreeSpeculation.__new__(TreeSpeculation)  # only the selection: no contexts
+    strategy.config, strategy.cost = config, DeviceCost(curve, draft_cost)
+    drafted = TokenTree(tuple(range(len(probs))), (-1,) * len(probs), tuple(math.log(p) for p in probs))
+    return strategy._auto_budget(drafted, draft_forwards)
+
+
 def test_auto_budget_follows_the_cost_curve() -> None:
     probs = [0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01]
-    assert best_tree_size(probs, 4, 0.1, _curve(0.0)) == len(probs), "a flat curve keeps every node"
-    assert best_tree_size(probs, 0, 0.0, _curve(1.0)) == 0, "batch cost linear in k, free draft: a tree never pays"
+    assert _tree_size(probs, 4, 0.1, _curve(0.0)) == len(probs), "a flat curve keeps every node"
+    assert _tree_size(probs, 0, 0.0, _curve(1.0)) == 0, "batch cost linear in k, free draft: a tree never pays"
     # The step's draft time is spent either way, so it makes the first, likely nodes worth verifying.
-    assert best_tree_size(probs, 4, 0.1, _curve(1.0)) == 2
-    moderate = best_tree_size(probs, 4, 0.1, _curve(0.1))
+    assert _tree_size(probs, 4, 0.1, _curve(1.0)) == 2
+    moderate = _tree_size(probs, 4, 0.1, _curve(0.1))
     assert 2 <= moderate <= 6
-    assert best_tree_size(probs, 4, 0.1, _curve(0.05)) >= moderate
-    # The kept count never exceeds what the curve measured, and the ratio rule is exact.
-    assert best_tree_size([0.99] * 40, 1, 0.0, _curve(0.0, 8)) == 7
-    m = best_tree_size(probs, 2, 0.3, _curve(0.2))
+    assert _tree_size(probs, 4, 0.1, _curve(0.05)) >= moderate
+    # The kept count never exceeds what the curve measured, nor the config's bound; the ratio rule is exact.
+    assert _tree_size([0.99] * 40, 1, 0.0, _curve(0.0, 8)) == 7
+    assert _tree_size([0.99] * 40, 1, 0.0, _curve(0.0, 64)) == TreeConfig(4, 4, AUTO).max_nodes == AUTO_K_MAX - 1
+    m = _tree_size(probs, 2, 0.3, _curve(0.2))
     ratio = [(1 + sum(probs[:i])) / (2 * 0.3 + 1 + 0.2 * i) for i in range(len(probs) + 1)]
     assert ratio[m] == max(ratio)
+
+
+def _random_tree(rng: random.Random) -> tuple[TokenTree, list[float]]:
+    """A draft-like tree, depth by depth, with each node's reach (the product of its path's chances)."""
+    b, reach = TreeBuilder(), []
+    layer = [-1]
+    for _ in range(rng.randint(1, 5)):
+        grown = []
+        for parent in layer[:3]:
+            left = 1.0
+            for _ in range(rng.randint(1, 3)):
+                p = left * rng.random()
+                left -= p
+                grown.append(b.add(rng.randrange(100), parent))
+                reach.append(p * (reach[parent] if parent >= 0 else 1.0))
+        layer = grown
+    return b.build(), reach
+
+
+def test_dinkelbach_at_the_best_rate_is_the_best_ratio() -> None:
+    """`tree` maximises tokens / cost, `auto` tokens - rate x cost: at the best ratio r* the two choose alike
+    (every set is worth at most 0 there, the best ratio's sets exactly 0), above r* nothing is worth
+    anything, below it the best set is worth more than nothing (Dinkelbach 1967)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        tree, reach = _random_tree(rng)
+        per, fixed, leaves = rng.choice([0.0, 0.05, 0.3, 1.0]), rng.uniform(0.0, 1.0), rng.choice([1, 2, 100])
+
+        def cost(n: int) -> float:
+            return fixed + 1.0 + per * n
+
+        by_ratio = best_subtree(tree, reach, cost, max_leaves=leaves)
+        best = by_ratio.ratio
+        at_best = best_subtree(tree, reach, cost, best, max_leaves=leaves)
+        assert at_best.ratio == pytest.approx(best, rel=1e-12) and at_best.value(best) == pytest.approx(0, abs=1e-12)
+        assert best_subtree(tree, reach, cost, best * 0.99, max_leaves=leaves).value(best * 0.99) > 0
+        assert best_subtree(tree, reach, cost, best * 1.01, max_leaves=leaves).value(best * 1.01) < 0
+        assert all(p.ratio <= best * (1 + 1e-12) for p in (best_subtree(tree, reach, cost, r, max_leaves=leaves)
+                                                           for r in (best * 0.5, best * 2)))
 
 
 def _auto_run(engine: Engine, cost: DeviceCost | None):

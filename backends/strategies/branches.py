@@ -1,8 +1,8 @@
 """Verifying several candidates at one position, and keeping the winning branch.
 
 Shared by the strategies that verify many branches in one batch, each under
-its own sequence id (`lookahead`'s n-grams, `tree`'s and `suffix`'s token
-trees: `verify_tree`). At each position
+its own sequence id (`lookahead`'s n-grams, `tree`'s, `suffix`'s and `auto`'s
+token trees, backends.token_tree.TokenTree: `verify_tree`). At each position
 the target picks its token among the branches' candidates (greedy: argmax;
 sampling: SpecInfer's one-hot multi-candidate rule, backends.verify); after the
 walk the caller keeps the accepted branch's cells as sequence 0 and drops the
@@ -20,6 +20,7 @@ from backends.events import ACCEPTED, TARGET, Event, Source
 from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
+from backends.token_tree import TokenTree
 from backends.verify import choose_among_candidates
 
 
@@ -54,25 +55,23 @@ class TreeVerdict:
     path: tuple[int, ...] = ()  # the nodes the target's tokens matched, from the root (a stop may end it early)
 
 
-def verify_tree(run: Run, target: KvSequence, tokens: Sequence[int], parents: Sequence[int], source: Source,
-                choice: str, why: str = "") -> Generator[Event | Decode, list[int], TreeVerdict]:
+def verify_tree(run: Run, target: KvSequence, tree: TokenTree | Sequence[int], source: Source | Sequence[int],
+                choice: str, why: str = "", *legacy: str) -> Generator[Event | Decode, list[int], TreeVerdict]:
     """SpecInfer's tree verification in one target batch: every root-to-leaf path under its own sequence id
     (a node belongs to the ids of all paths through it), then the target walks the tree from the root
     (greedy: the child equal to its argmax; sampling: the one-hot multi-candidate rule, `pick_among`), and
-    the accepted path's cells become sequence 0. Nodes come parents first (`parents[i]` < i, -1: the root)."""
+    the accepted path's cells become sequence 0.
+
+    Temporary, for backends.strategies.auto.generation until it passes a TokenTree (issue 41): the former
+    call (run, target, tokens, parents, source, choice, why) is taken too."""
+    if not isinstance(tree, TokenTree):
+        tree, source, choice, why = TokenTree(tree, source), choice, why, (legacy[0] if legacy else "")  # type: ignore[arg-type]
+    tokens, depth, leaves = tree.tokens, tree.depth, tree.leaves
     n_past = len(run.context) - 1
-    children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # index 0 = the root
-    depth = [0] * len(tokens)
-    for i, p in enumerate(parents):
-        children[p + 1].append(i)
-        depth[i] = depth[p] + 1 if p >= 0 else 1
-    leaves = [i for i in range(len(tokens)) if not children[i + 1]]
     paths: list[set[int]] = [set() for _ in tokens]  # target sequence ids through each node
     for leaf_no, leaf in enumerate(leaves, start=1):
-        i = leaf
-        while i >= 0:
+        for i in tree.lineage(leaf):
             paths[i].add(leaf_no)
-            i = parents[i]
     target.share_with(len(leaves) + 1)
     entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
     entries += [(t, n_past + depth[i], sorted(paths[i]), True) for i, t in enumerate(tokens)]
@@ -81,7 +80,7 @@ def verify_tree(run: Run, target: KvSequence, tokens: Sequence[int], parents: Se
     cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
     path: list[int] = []
     while True:
-        kids = children[cur + 1]
+        kids = tree.children(cur)
         offered = [tokens[k] for k in kids]
         token, matched, counted = yield from pick_among(run, run.logits(target, row), offered, source)
         n_accepted += counted

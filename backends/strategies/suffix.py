@@ -20,6 +20,7 @@ memory by the engine (backends.engine.Engine.strategy), for every strategy.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 from backends.config import SuffixConfig
@@ -32,6 +33,7 @@ from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.lookup import NgramIndex
 from backends.suffix import Continuations, SuffixStore, merge_continuations
+from backends.token_tree import TokenTree
 
 OWN_WEIGHT = 2.0  # a continuation found in the request itself weighs this much more per matched token
 OWN_OCCURRENCES = 16  # the request's most recent occurrences looked at
@@ -44,33 +46,28 @@ def own_continuations(index: NgramIndex, context: Sequence[int], depth: int) -> 
     return [(list(context[s + n: s + n + depth]), OWN_WEIGHT * n) for s in starts], n
 
 
-def shaped(tree: Continuations, config: SuffixConfig, max_nodes: int) -> tuple[list[int], list[int]]:
-    """The nodes worth verifying: at least min_prob of the occurrences, at most factor x match nodes (parents
-    come first in `tree`, and a parent carries at least its children's share, so the kept set is a tree)."""
-    budget = min(max_nodes, max(1, math.ceil(config.factor * max(tree.match, 1))))
-    keep = [i for i in range(len(tree)) if tree.probs[i] >= config.min_prob]
-    keep = sorted(sorted(keep, key=lambda i: (-tree.probs[i], i))[:budget])
-    remap = {old: new for new, old in enumerate(keep)}
-    return [tree.tokens[i] for i in keep], [remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
+def shaped(found: Continuations, config: SuffixConfig, max_nodes: int) -> TokenTree:
+    """The nodes worth verifying: at least min_prob of the occurrences, at most factor x match nodes (a parent
+    carries at least its children's share and comes first among equals, so the kept set is a tree)."""
+    tree = found.tree
+    budget = min(max_nodes, max(1, math.ceil(config.factor * max(found.match, 1))))
+    keep = [i for i in range(len(tree)) if tree.weights[i] >= config.min_prob]
+    return tree.subset(sorted(keep, key=lambda i: (-tree.weights[i], i))[:budget])
 
 
-def prune_by_grammar(run: Run, tree: Continuations) -> Continuations:
+def prune_by_grammar(run: Run, found: Continuations) -> Continuations:
     """The nodes whose path the grammar admits (a refused node takes its subtree with it); all of them when
     drafts go unmasked (as Run.valid_prefix)."""
-    if run.constraint is None or not tree.tokens or not run.params.mask_drafts:
-        return tree
+    tree = found.tree
+    if run.constraint is None or not len(tree) or not run.params.mask_drafts:
+        return found
     ok = [False] * len(tree)
-    for i in range(len(tree)):
-        parent = tree.parents[i]
+    for i, parent in enumerate(tree.parents):
         if parent >= 0 and not ok[parent]:
             continue
         path = tree.path(i)
         ok[i] = len(run.valid_prefix(path)) == len(path)
-    keep = [i for i in range(len(tree)) if ok[i]]
-    remap = {old: new for new, old in enumerate(keep)}
-    return Continuations([tree.tokens[i] for i in keep],
-                         [remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep],
-                         [tree.probs[i] for i in keep], tree.match, tree.support)
+    return replace(found, tree=tree.subset(i for i in range(len(tree)) if ok[i]))
 
 
 class SuffixSpeculation(StepMachine):
@@ -85,12 +82,12 @@ class SuffixSpeculation(StepMachine):
         own, own_match = own_continuations(index, run.context, depth)
         max_nodes = max(self.config.max_nodes * 4, 16)
         if self.memory is not None:
-            tree = self.memory.continuations(run.context, depth, max_nodes, own)
-            tree.match = max(tree.match, own_match)
+            found = self.memory.continuations(run.context, depth, max_nodes, own)
+            found = replace(found, match=max(found.match, own_match))
         else:
-            tree = merge_continuations([s for s, _w in own], [w for _s, w in own], max_nodes, own_match) if own \
+            found = merge_continuations([s for s, _w in own], [w for _s, w in own], max_nodes, own_match) if own \
                 else Continuations()
-        return prune_by_grammar(run, tree)
+        return prune_by_grammar(run, found)
 
     def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         target = self.target
@@ -103,14 +100,12 @@ class SuffixSpeculation(StepMachine):
             if (yield from forced_step(run, target)):
                 return
             depth = min(self.config.depth, run.room() - 1)
-            tree = self.continuations(run, index, depth) if depth > 0 else Continuations()
-            tokens, parents = shaped(tree, self.config, max_nodes) if tree.tokens else ([], [])
-            if len(run.context) + len(tokens) + 1 > run.n_ctx:
-                tokens, parents = [], []
-            if not tokens:
+            found = self.continuations(run, index, depth) if depth > 0 else Continuations()
+            tree = shaped(found, self.config, max_nodes)
+            if not len(tree) or len(run.context) + len(tree) + 1 > run.n_ctx:
                 yield from chain_step(run, target, [], None)
                 return
-            v = yield from verify_tree(run, target, tokens, parents, "memory", "memory")
+            v = yield from verify_tree(run, target, tree, "memory", "memory")
             totals["tree_nodes"] += v.nodes
             totals["memory_steps"] += 1
             if self.memory is not None:

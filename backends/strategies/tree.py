@@ -1,8 +1,9 @@
 """`tree`: token-tree speculation with a draft model.
 
-Two shapes of draft tree, one verifier. Both draft a list of `_Node`s (token,
-parent, depth, cumulative draft log-probability), parents before children;
-the same selection and the same verification consume it.
+Two shapes of draft tree, one verifier. Both draft a token tree
+(backends.token_tree: parents before children, depth by depth) weighted by
+each node's cumulative draft log-probability; the same selection and the
+same verification consume it.
 
 - `dynamic` (default) follows EAGLE-2's dynamic draft tree (Li et al. 2024,
   "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees",
@@ -22,10 +23,11 @@ Selection (EAGLE-2's rerank): all drafted nodes are ordered by cumulative
 probability and a prefix is verified. Cumulative probability only falls along
 a path, so every prefix is a tree. Its length M is `nodes`, or with
 `nodes="auto"` it is chosen at every step from the device's measured batch
-cost curve (backends.cost.best_tree_size): the M maximizing expected tokens
-(1 + the sum of the kept nodes' cumulative draft probabilities, EAGLE-2's
-estimate of the acceptance length) per unit of time (the step's draft
-forwards at the measured draft cost + T(M+1)/T(1)). Per step rather than once
+cost curve (backends.tree_pricing.best_subtree, the rule `auto` prices its
+trees by): the M maximizing expected tokens (1 + the sum of the kept nodes'
+cumulative draft probabilities, EAGLE-2's estimate of the acceptance length)
+per unit of time (the step's draft forwards at the measured draft cost +
+T(M+1)/T(1)), never more than the curve measured. Per step rather than once
 per run because the tree's confidence varies from step to step: a confident
 tree is worth a wide batch, a doubtful one is not; the curve itself is
 measured once per engine, lazily, at the first generation.
@@ -49,7 +51,7 @@ from typing import Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig  # noqa: F401 (the tree's settings, re-exported)
-from backends.cost import DeviceCost, best_tree_size
+from backends.cost import DeviceCost
 from backends.kv import Decode, KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
@@ -57,22 +59,8 @@ from backends.scheduler import Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
-
-@dataclass
-class _Node:
-    token: int
-    parent: int  # index in the node list, -1 for a child of the root
-    depth: int  # 1 for children of the root
-    logp: float  # cumulative draft log-probability
-
-
-def _path(nodes: list[_Node], i: int) -> list[int]:
-    """The tokens from the root to node i, i included (what a row after node i follows)."""
-    path = []
-    while i >= 0:
-        path.append(nodes[i].token)
-        i = nodes[i].parent
-    return path[::-1]
+from backends.token_tree import TokenTree, TreeBuilder
+from backends.tree_pricing import best_subtree
 
 
 @dataclass
@@ -136,50 +124,51 @@ class TreeSpeculation(StepMachine):
         self.draft_forwards += 1
         return run.logits(self.draft, drafter=True)
 
-    def _decode(self, base: int, nodes: list[_Node], entries: list[tuple[int, int]]) -> Generator[Decode, list[int], list[int]]:
+    def _decode(self, base: int, drafted: TreeBuilder,
+                entries: list[tuple[int, int]]) -> Generator[Decode, list[int], list[int]]:
         """Decode nodes (index, draft sequence) in one draft batch, each after its path; returns their rows."""
-        rows = yield from self.draft.decoding((nodes[i].token, base + nodes[i].depth - 1, (seq,), True) for i, seq in entries)
+        rows = yield from self.draft.decoding((drafted.tokens[i], base + drafted.depths[i] - 1, (seq,), True)
+                                              for i, seq in entries)
         self.draft_forwards += 1
         return rows
 
-    def _draft_dynamic(self, run: Run, max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
+    def _draft_dynamic(self, run: Run, max_depth: int) -> Generator[Decode, list[int], TokenTree]:
         """EAGLE-2's expansion: the top_k best nodes of each depth get their top_k children."""
         k = self.config.top_k
         context = run.context
-        nodes = [_Node(t, -1, 1, lp) for t, lp in _top_log_probs((yield from self._root_logits(run)), k)]
-        layer = list(range(len(nodes)))
+        drafted = TreeBuilder()  # weights: cumulative draft log-probabilities
+        layer = [drafted.add(t, -1, lp) for t, lp in _top_log_probs((yield from self._root_logits(run)), k)]
         scratch = _Scratch(self.draft)
         seq_of = {-1: 0}  # node -> draft sequence holding its path
         for depth in range(1, max_depth):
-            expand = sorted(layer, key=lambda i: -nodes[i].logp)[:k]
+            expand = sorted(layer, key=lambda i: -drafted.weights[i])[:k]
             for i in expand:
-                seq_of[i] = scratch.fork(seq_of[nodes[i].parent])
-            rows = yield from self._decode(len(context), nodes, [(i, seq_of[i]) for i in expand])
+                seq_of[i] = scratch.fork(seq_of[drafted.parents[i]])
+            rows = yield from self._decode(len(context), drafted, [(i, seq_of[i]) for i in expand])
             layer = []
             for i, row in zip(expand, rows):
-                for t, lp in _top_log_probs(run.logits(self.draft, row, _path(nodes, i), drafter=True), k):
-                    layer.append(len(nodes))
-                    nodes.append(_Node(t, i, depth + 1, nodes[i].logp + lp))
+                for t, lp in _top_log_probs(run.logits(self.draft, row, drafted.path(i), drafter=True), k):
+                    layer.append(drafted.add(t, i, drafted.weights[i] + lp))
         scratch.release()
-        return nodes
+        return drafted.build()
 
-    def _draft_static(self, run: Run, max_depth: int) -> Generator[Decode, list[int], list[_Node]]:
+    def _draft_static(self, run: Run, max_depth: int) -> Generator[Decode, list[int], TokenTree]:
         """llama.cpp's speculative.cpp: extend every branch by its top candidate, split off likely others."""
         cfg = self.config
         scratch = _Scratch(self.draft)
         context = run.context
         live = [_Branch(-1, 0, (yield from self._root_logits(run)))]
         n_branches = 1
-        nodes: list[_Node] = []
+        drafted = TreeBuilder()  # weights: cumulative draft log-probabilities
         for depth in range(1, max_depth + 1):
             grown: list[tuple[int, int]] = []  # (new node, draft sequence of its branch)
             for br in live:
                 cands = _top_log_probs(br.logits, cfg.top_k)
                 if math.exp(cands[0][1]) < cfg.p_min:
                     continue  # this branch stops drafting
-                base_logp = nodes[br.leaf].logp if br.leaf >= 0 else 0.0
+                base_logp = drafted.weights[br.leaf] if br.leaf >= 0 else 0.0
                 for j, (t, lp) in enumerate(cands):
-                    if len(nodes) >= cfg.drafted_nodes:
+                    if len(drafted) >= cfg.drafted_nodes:
                         break
                     if j > 0:
                         if n_branches >= cfg.top_k or math.exp(lp) <= cfg.p_split:
@@ -188,46 +177,36 @@ class TreeSpeculation(StepMachine):
                     # The top candidate continues the branch in its sequence (sequence 0 stays the
                     # committed text, so the root's gets a fork); a split forks the parent's path.
                     seq = br.seq if j == 0 and br.seq != 0 else scratch.fork(br.seq)
-                    nodes.append(_Node(t, br.leaf, depth, base_logp + lp))
-                    grown.append((len(nodes) - 1, seq))
-            if not grown or depth == max_depth or len(nodes) >= cfg.drafted_nodes:
+                    grown.append((drafted.add(t, br.leaf, base_logp + lp), seq))
+            if not grown or depth == max_depth or len(drafted) >= cfg.drafted_nodes:
                 break
-            rows = yield from self._decode(len(context), nodes, grown)
-            live = [_Branch(i, seq, run.logits(self.draft, row, _path(nodes, i), drafter=True))
+            rows = yield from self._decode(len(context), drafted, grown)
+            live = [_Branch(i, seq, run.logits(self.draft, row, drafted.path(i), drafter=True))
                     for (i, seq), row in zip(grown, rows)]
         scratch.release()
-        return nodes
+        return drafted.build()
 
     # -- selection: the same for both shapes -------------------------------
 
-    def _select(self, nodes: list[_Node], draft_forwards: int) -> list[_Node]:
-        """The best M nodes by cumulative probability (ties towards shallower ones), re-indexed parents first."""
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].logp, nodes[i].depth))
-        if self.config.auto:
-            m = self._auto_budget([math.exp(nodes[i].logp) for i in order], draft_forwards)
-        else:
-            m = self.config.nodes  # type: ignore[assignment]
-        kept = set(order[:m])
-        kept = {i for i in kept if all(a in kept for a in self._ancestors(nodes, i))}
-        ordered = sorted(kept, key=lambda i: (nodes[i].depth, i))
-        remap = {old: new for new, old in enumerate(ordered)}
-        return [_Node(nodes[i].token, remap.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp) for i in ordered]
+    def _select(self, drafted: TokenTree, draft_forwards: int) -> TokenTree:
+        """The best M nodes by cumulative probability (ties towards shallower ones; a node whose parent is left
+        out goes too). Both shapes draft depth by depth, so the kept nodes stay in depth order."""
+        order = sorted(range(len(drafted)), key=lambda i: (-drafted.weights[i], drafted.depth[i]))
+        m = self._auto_budget(drafted, draft_forwards) if self.config.auto else int(self.config.nodes)
+        return drafted.subset(order[:m])
 
-    def _auto_budget(self, path_probs: list[float], draft_forwards: int) -> int:
+    def _auto_budget(self, drafted: TokenTree, draft_forwards: int) -> int:
+        """M from the device's cost curve: the size of the subtree worth most tokens per unit of target time
+        (backends.tree_pricing.best_subtree at the tree's own rate), within the curve measured, then within
+        the config's bound."""
         if self.cost is None:  # no room to measure: verify what a fixed default would
             return min(TreeConfig.nodes, self.config.max_nodes)  # type: ignore[type-var]
-        m = best_tree_size(path_probs, draft_forwards, self.cost.draft, self.cost.batch)
-        return min(m, self.config.max_nodes)
+        batch, drafting = self.cost.batch, draft_forwards * self.cost.draft  # drafting is spent either way
+        priced = best_subtree(drafted, [math.exp(w) for w in drafted.weights],
+                              lambda n: drafting + batch.relative(n + 1), max_nodes=len(batch.seconds) - 1)
+        return min(len(priced.nodes), self.config.max_nodes)
 
-    @staticmethod
-    def _ancestors(nodes: list[_Node], i: int) -> list[int]:
-        out = []
-        while nodes[i].parent >= 0:
-            i = nodes[i].parent
-            out.append(i)
-        return out
-
-    def _draft_tree(self, run: Run, max_depth: int) -> Generator[Decode, list[int], tuple[list[_Node], int]]:
+    def _draft_tree(self, run: Run, max_depth: int) -> Generator[Decode, list[int], tuple[TokenTree, int]]:
         """The verified tree of this step, and how many nodes were drafted to choose it from."""
         before = self.draft_forwards
         draft = self._draft_static if self.config.shape == "static" else self._draft_dynamic
@@ -249,9 +228,8 @@ class TreeSpeculation(StepMachine):
             return cached
 
         def tree_step() -> Iterator[object]:
-            nodes, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
-            v = yield from verify_tree(run, target, [n.token for n in nodes], [n.parent for n in nodes], "draft",
-                                       "tree")
+            tree, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
+            v = yield from verify_tree(run, target, tree, "draft", "tree")
             totals["batch_tokens"] += v.nodes + 1
             totals["tree_nodes"] += v.nodes
             totals["drafted_nodes"] += drafted

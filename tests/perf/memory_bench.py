@@ -247,7 +247,7 @@ def memory_reach(store: SuffixStore, prompt: Sequence[int], output: Sequence[int
     context = list(prompt)
     for tok in output:
         found = store.continuations(context, 1, 64, min_match=MEMORY_MIN_MATCH)
-        had += tok in {t for t, p in zip(found.tokens, found.parents) if p < 0}
+        had += tok in {found.tree.tokens[i] for i in found.tree.children()}
         context.append(tok)
     return had
 

@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from backends import tree_pricing
+from backends.token_tree import TokenTree
+
 PLAIN, DRAFT, LOOKUP, LOOKAHEAD, MEMORY = "plain", "draft", "lookup", "lookahead", "memory"
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
 # bounds it when an estimate is wrong (an option tried once per 128 steps costs at most ~1/128 of its step).
@@ -97,62 +100,28 @@ def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curv
     return best
 
 
+# Temporary, for backends.strategies.auto.generation (and its split modules) until they call
+# backends.tree_pricing and backends.token_tree themselves (issue 41): the former signatures over a bare
+# `parents` list. Which subtree pays is tree_pricing.best_subtree's, for `auto` and `tree` alike.
+def _shape(parents: Sequence[int]) -> TokenTree:
+    return TokenTree((0,) * len(parents), tuple(parents))
+
+
 def best_subtree(parents: Sequence[int], accept: Sequence[float], rate: float, t_plain: float,
                  curve: Callable[[float], float], max_leaves: int = 1, max_nodes: int = 1 << 30
                  ) -> tuple[list[int], float, float]:
-    """The nodes of a candidate tree worth verifying in one batch (ascending), with expected tokens and seconds.
-
-    `parents[i]` is node i's parent (-1: a child of the root; parents come first) and `accept[i]` the chance
-    node i is accepted once its parent is. At most one child of a node is accepted (greedy: the argmax;
-    sampling: one winner of the multi-candidate rule), so where siblings' chances add up to more than 1 they
-    are scaled down to sum to 1. A node is accepted with the product of the chances along its path
-    (`reach`), and verifying a set of nodes gives 1 + the sum of their reaches (each position holds at most
-    one accepted node), as the chain's expected tokens. The best set of each size takes the nodes of
-    highest reach (a node's reach is at most its parent's, and parents come first, so it is a tree: the
-    dynamic tree of Sequoia and EAGLE-2); of the sizes, the one worth most at `rate` wins, each
-    costing t_plain * T(n+1)/T(1). `max_leaves` bounds the root-to-leaf paths (one sequence id each): with
-    1 it is the best chain, as `best_chain_length` chooses it.
-    """
-    reach = path_reach(parents, accept)
-    chosen: set[int] = set()
-    kids = [0] * len(parents)
-    leaves, expected = 0, 1.0
-    best: tuple[list[int], float, float] = ([], 1.0, t_plain)
-    for i in sorted(range(len(parents)), key=lambda j: (-reach[j], j)):
-        if len(chosen) >= max_nodes:
-            break
-        p = parents[i]
-        if p >= 0 and p not in chosen:
-            continue  # its parent was left out for the leaf bound
-        grows = p < 0 or kids[p] > 0  # a new path, else it extends its parent's
-        if grows and leaves >= max_leaves:
-            continue
-        chosen.add(i)
-        leaves += grows
-        if p >= 0:
-            kids[p] += 1
-        expected += reach[i]
-        seconds = t_plain * curve(len(chosen) + 1)
-        if expected - rate * seconds > best[1] - rate * best[2]:
-            best = (sorted(chosen), expected, seconds)
-    return best
+    tree = _shape(parents)
+    priced = tree_pricing.best_subtree(tree, tree_pricing.path_reach(tree, accept),
+                                       lambda n: t_plain * curve(n + 1) if n else t_plain, rate, max_leaves, max_nodes)
+    return list(priced.nodes), priced.tokens, priced.cost
 
 
 def path_reach(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
-    """Each node's chance of being accepted: the product of the chances along its path, siblings' chances
-    scaled to sum to at most 1 (best_subtree)."""
-    sums: dict[int, float] = {}
-    for i, p in enumerate(parents):
-        sums[p] = sums.get(p, 0.0) + accept[i]
-    reach = [0.0] * len(parents)
-    for i, p in enumerate(parents):
-        reach[i] = accept[i] / max(sums[p], 1.0) * (reach[p] if p >= 0 else 1.0)
-    return reach
+    return tree_pricing.path_reach(_shape(parents), accept)
 
 
 def is_chain(parents: Sequence[int], nodes: Sequence[int]) -> bool:
-    """Whether `nodes` (ascending) form one path from the root."""
-    return all(parents[n] == (nodes[k - 1] if k else -1) for k, n in enumerate(nodes))
+    return _shape(parents).is_chain(nodes)
 
 
 def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int, backoff: int = 0) -> int:

@@ -5,47 +5,53 @@ current suffix in earlier outputs and in the request itself; `auto` prices
 each node instead of shaping the tree by a fixed rule: every node carries the
 estimates it is learnt under (the memory's by match, share and position,
 lookup's by match and position; a node both propose carries both, and counts
-as the likelier), backends.strategies.auto.decide.best_subtree picks the
-nodes worth their batch rows, and after verification every node the target
-looked at (a child of the root or of an accepted node) teaches each of its
-estimates whether it was accepted. Pure: no model, no decoding.
+as the likelier), backends.tree_pricing.best_subtree picks the nodes worth
+their batch rows (the rule `tree` sizes its draft trees by), and after
+verification every node the target looked at (a child of the root or of an
+accepted node) teaches each of its estimates whether it was accepted. The
+tree itself is a backends.token_tree.TokenTree, as every proposer's is; the
+estimate keys sit beside it. Pure: no model, no decoding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from backends.suffix import Continuations
+from backends.token_tree import EMPTY, TokenTree, TreeBuilder
 
 LOOKUP_SOURCE, MEMORY_SOURCE = "lookup", "memory"
 
 
-@dataclass
-class CandidateTree:
-    """Token tree (parents first, -1: a child of the root) with, per node, the (source, key) estimates it is
-    learnt under."""
+Keys = tuple[tuple[str, object], ...]  # a node's (source, key) estimates
 
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    keys: list[list[tuple[str, object]]] = field(default_factory=list)
+
+@dataclass(frozen=True)
+class CandidateTree:
+    """A token tree (backends.token_tree; weights: the memory's share, 0 where only lookup proposes) with, per
+    node, the (source, key) estimates it is learnt under."""
+
+    tree: TokenTree = EMPTY
+    keys: tuple[Keys, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.tree):
+            raise ValueError(f"a candidate tree needs one set of keys per node: {len(self.tree)} nodes, "
+                             f"{len(self.keys)} sets")
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.tree)
 
-    def add_path(self, tokens: Sequence[int], keys: Sequence[object], source: str) -> None:
-        """Merge one proposal (a path from the root), its i-th token learnt under keys[i]."""
-        parent = -1
-        for tok, key in zip(tokens, keys):
-            node = next((i for i in range(len(self.tokens)) if self.parents[i] == parent
-                         and self.tokens[i] == tok), None)
-            if node is None:
-                node = len(self.tokens)
-                self.tokens.append(int(tok))
-                self.parents.append(parent)
-                self.keys.append([])
-            self.keys[node].append((source, key))
-            parent = node
+    def with_path(self, tokens: Sequence[int], keys: Sequence[object], source: str) -> CandidateTree:
+        """This tree with one proposal (a path from the root) merged in, its i-th token learnt under keys[i]."""
+        grown = TreeBuilder(self.tree)
+        learnt = list(self.keys)
+        for node, key in zip(grown.add_path(tokens[:len(keys)]), keys):
+            if node == len(learnt):
+                learnt.append(())
+            learnt[node] += ((source, key),)
+        return CandidateTree(grown.build(), tuple(learnt))
 
     def accept(self, p: Callable[[str, object], float]) -> list[float]:
         """Each node's chance of acceptance once its parent is accepted: its likeliest estimate's."""
@@ -53,31 +59,28 @@ class CandidateTree:
 
     def likeliest_path(self, accept: Sequence[float], limit: int) -> list[int]:
         """The path from the root through each node's likeliest child (by `accept`), up to `limit` nodes."""
-        path: list[int] = []
-        parent = -1
-        while len(path) < limit:
-            kids = [i for i in range(len(self.tokens)) if self.parents[i] == parent]
-            if not kids:
-                break
-            parent = max(kids, key=lambda i: (accept[i], -i))
-            path.append(parent)
-        return path
+        return self.tree.likeliest_path(limit, accept)
+
+    # Temporary, for backends.strategies.auto.generation until it reads `tree` (issue 41): the former
+    # fields, and the former (tokens, parents) of a subset (now self.tree.subset(nodes)).
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.tree.tokens
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        return self.tree.parents
 
     def subtree(self, nodes: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The tokens and parents (renumbered) of `nodes`, ascending, a tree containing its parents."""
-        remap = {old: new for new, old in enumerate(nodes)}
-        return [self.tokens[i] for i in nodes], [remap[self.parents[i]] if self.parents[i] >= 0 else -1
-                                                 for i in nodes]
+        chosen = self.tree.subset(nodes)
+        return list(chosen.tokens), list(chosen.parents)
 
 
 def candidate_tree(memory: Continuations, memory_keys: Sequence[object], lookup: Sequence[int],
                    lookup_keys: Sequence[object]) -> CandidateTree:
     """The memory's continuations (node i learnt under memory_keys[i]) with lookup's chain merged in."""
-    tree = CandidateTree(list(memory.tokens), list(memory.parents),
-                         [[(MEMORY_SOURCE, key)] for key in memory_keys])
-    if lookup:
-        tree.add_path(lookup, lookup_keys, LOOKUP_SOURCE)
-    return tree
+    tree = CandidateTree(memory.tree, tuple(((MEMORY_SOURCE, key),) for key in memory_keys))
+    return tree.with_path(lookup, lookup_keys, LOOKUP_SOURCE) if lookup else tree
 
 
 def looked_at(parents: Sequence[int], path: Sequence[int], finished: bool = False) -> list[tuple[int, bool]]:
