@@ -15,9 +15,10 @@ nodes, walk a node's path to the root, and ask for a node's children and the
 tree's leaves; one type holds the tree so that each of those is written (and
 tested) once, whoever drafted it.
 
-A tree is three parallel arrays, parents first as llama.cpp's and SpecInfer's
-batches lay a tree out: `tokens[i]`, `parents[i]` (the index of node i's
-parent, always below i; -1 for a child of the root, the pending token) and
+A tree is three parallel arrays, parents first (a node's batch row comes
+after its parent's, and one pass in index order sees every parent before its
+children): `tokens[i]`, `parents[i]` (the index of node i's parent, always
+below i; -1 for a child of the root, the pending token) and
 `weights[i]`, one number per node whose meaning is the proposer's (the
 memory's share of occurrences, the draft's cumulative log-probability).
 What only one proposer needs (the memory's match length, `auto`'s estimate
