@@ -38,7 +38,7 @@ def _restore_terminal_on_fatal_exit() -> None:
     import os
     import sys
 
-    from backends.llama_rpc import on_fatal_exit
+    from backends.llama_process import on_fatal_exit
 
     fd = next((f.fileno() for f in (sys.__stderr__, sys.__stdout__, sys.__stdin__)
                if f is not None and f.isatty()), None)

@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_models(args)
         if args.command == "cache":
             return run_cache(args)
-        from backends.llama_rpc import set_native_logging  # llama.cpp loads only for the commands that run it
+        from backends.llama_process import set_native_logging  # llama.cpp loads only for the commands that run it
 
         set_native_logging(args.debug)
         if args.command == "rpc-server":

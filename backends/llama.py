@@ -11,9 +11,10 @@ rejected draft can be removed from the cache (see llama.cpp's
 Every file is validated with `gguf` (models.gguf_info) before llama.cpp sees
 it, because llama.cpp aborts the whole process on some malformed files.
 
-The process-wide side of llama.cpp (its backend's start, its log, a ggml
-abort turned into one line) and the RPC client and server live in
-backends/llama_rpc.py, the only other module that calls llama.cpp.
+The process-wide side of llama.cpp (its backend's start, its log, ggml's
+device registry, a ggml abort turned into one line) lives in
+backends/llama_process.py, the only other module that imports `llama_cpp`;
+the RPC client and server, built on it, in backends/llama_rpc.py.
 """
 
 from __future__ import annotations
@@ -29,15 +30,10 @@ import llama_cpp
 import numpy as np
 
 from backends.errors import DecodeError
-from backends.llama_rpc import check_rpc_memory, ensure_backend, ggml, rpc_model_devices, rpc_timeouts_meanwhile, \
-    set_rpc_timeouts
+from backends.llama_process import ensure_backend, ggml
+from backends.llama_rpc import check_rpc_memory, rpc_model_devices, rpc_timeouts_meanwhile, set_rpc_timeouts
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
-
-
-def supports_gpu_offload() -> bool:
-    ensure_backend()
-    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def _cpu_has_amx() -> bool:
@@ -277,7 +273,7 @@ class LlamaModel:
         h = hashlib.sha256(str(self.n_vocab).encode())
         for t in range(self.n_vocab):
             h.update(llama_cpp.llama_vocab_get_text(self._vocab, t) or b"")
-            h.update(b"\0%d\0" % llama_cpp.llama_token_get_attr(self._vocab, t))
+            h.update(b"\0%d\0" % llama_cpp.llama_vocab_get_attr(self._vocab, t))
         return h.digest()
 
     @functools.cached_property

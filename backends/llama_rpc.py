@@ -1,16 +1,16 @@
-"""llama.cpp for the whole process: its backend's start, its log, fatal aborts, and the RPC client and server.
+"""llama.cpp's RPC client and server: the target's layers on other machines.
 
-The other half of the llama.cpp binding (backends/llama.py holds models,
-contexts and batches); these two modules are the only ones that import
-`llama_cpp`. About 500 lines: the RPC client, its server and the checks
-that turn ggml's aborts into one line share the same ctypes surface.
+Part of the llama.cpp binding: backends/llama.py holds models, contexts and
+batches, backends/llama_process.py the process-wide part (the backend, its
+log, ggml's device registry and RPC entry points through ctypes, a fatal
+abort's exit); this module drives those entry points and the sockets around
+them, and imports no `llama_cpp` of its own.
 
 RPC (`--rpc HOST:PORT`, `specchat rpc-server`): the target's layers can run on
 llama.cpp RPC servers while the draft stays on this machine. llama-cpp-python
 has no Python binding for ggml's RPC backend, so the functions of this build's
-`ggml-rpc.h` and `ggml-backend.h` are called through ctypes, from the same
-loaded libraries as llama.cpp itself (looked up through libllama's handle, so
-there is one registry and one set of RPC connections). The client follows
+`ggml-rpc.h` and `ggml-backend.h` are called through ctypes
+(backends.llama_process.Ggml). The client follows
 llama.cpp's `common/arg.cpp` (`--rpc`: `ggml_backend_rpc_add_server` per
 endpoint, then their devices take the offloaded layers), except that the
 devices go to the target alone through `llama_model_params.devices` instead
@@ -35,49 +35,13 @@ import ctypes
 import os
 import socket
 import struct
-import sys
 import threading
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import llama_cpp
-
+from backends.llama_process import ABORT_CALLBACK, DEV_ACCEL, DEV_CPU, DEV_GPU, DEV_IGPU, LLAMA_CPP_VERSION, \
+    DeviceInfo, Ggml, fatal_exit, ggml
 from models.errors import ModelError
 
-_init_lock = threading.Lock()
-_initialised = False
-_log_enabled = bool(os.environ.get("SPECCHAT_LLAMA_LOG"))
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty on stderr; specchat reports what matters itself.
-    if _log_enabled:
-        os.write(2, text)
-
-
-def set_native_logging(enabled: bool) -> None:
-    """Let llama.cpp's own log through to stderr (`--debug`)."""
-    global _log_enabled
-    _log_enabled = enabled
-
-
-def ensure_backend() -> None:
-    global _initialised
-    with _init_lock:
-        if not _initialised:
-            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            llama_cpp.llama_backend_init()
-            _initialised = True
-
-
-
-# -- llama.cpp RPC -----------------------------------------------------------------------------------------------
-
-# The one command that gives a build with ggml's RPC backend (pip's wheel cache is keyed by version, not by
-# CMAKE_ARGS: without --no-cache-dir it reinstalls the cached build without RPC).
-RPC_REBUILD_COMMAND = ('CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-deps --no-cache-dir '
-                       f'llama-cpp-python=={llama_cpp.__version__}')
 # ggml-rpc.h of the vendored llama.cpp: a server must speak the same major version and no newer minor one.
 RPC_PROTO_MAJOR_VERSION = 7
 RPC_PROTO_MINOR_VERSION = 0
@@ -87,118 +51,12 @@ _RPC_CONN_CAPS_SIZE = 24
 _RPC_HELLO_RSP_SIZE = 4 + _RPC_CONN_CAPS_SIZE
 # Seconds to wait for a server's TCP connection and for its HELLO answer before giving up with one line.
 RPC_CHECK_TIMEOUT = 5.0
-# Exit code when ggml aborts during a run (app.errors.EXIT_RUNTIME: a failure at run time).
-RPC_LOST_EXIT_CODE = 2
 # Seconds one read or write on an RPC connection may wait before the server is given up as lost: a server
 # that stops answering without closing the connection (a frozen machine, a suspended process, a cable
 # pulled) would otherwise keep ggml's client waiting forever. One wait covers one request, at most one target
 # forward pass on the server, so it is far longer than any forward a usable server takes.
 # SPECCHAT_RPC_TIMEOUT sets it.
 RPC_TIMEOUT = 120.0
-
-# enum ggml_backend_dev_type (ggml-backend.h)
-_DEV_CPU, _DEV_GPU, _DEV_IGPU, _DEV_ACCEL = 0, 1, 2, 3
-_DEV_TYPE_NAMES = {_DEV_CPU: "CPU", _DEV_GPU: "GPU", _DEV_IGPU: "iGPU", _DEV_ACCEL: "accelerator"}
-
-# typedef void (*ggml_abort_callback_t)(const char * error_message);  (ggml.h)
-_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-# ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);  (ggml-rpc.h)
-_RPC_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
-# void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir,
-#                                    size_t n_threads, size_t n_devices, ggml_backend_dev_t * devices);  (ggml-rpc.h)
-_RPC_START_SERVER = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
-                                     ctypes.POINTER(ctypes.c_void_p))
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One ggml device: `name` as llama.cpp spells it (CPU, CUDA0, RPC0, ...), its memory in bytes."""
-
-    name: str
-    description: str
-    kind: str
-    free: int
-    total: int
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.description}, {self.free >> 20} MiB free of {self.total >> 20} MiB)"
-
-
-class _Ggml:
-    """ggml's device registry (ggml-backend.h) and RPC entry points (ggml-rpc.h), with their exact C signatures.
-
-    Looked up through libllama's own handle, which searches the ggml libraries
-    it was linked with: the same copies, hence the same registry and the same
-    RPC connections as llama.cpp's. The RPC functions come from the "RPC"
-    registry entry's proc addresses, as common/arg.cpp and rpc-server.cpp get
-    them, so a build without RPC is simply one where that entry is missing.
-    """
-
-    def __init__(self) -> None:
-        lib = llama_cpp.llama_cpp._lib
-        vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
-
-        def fn(name: str, restype: object, *argtypes: object):
-            f = getattr(lib, name)
-            f.restype = restype
-            f.argtypes = list(argtypes)
-            return f
-
-        self.reg_by_name = fn("ggml_backend_reg_by_name", vp, cp)
-        self.reg_name = fn("ggml_backend_reg_name", cp, vp)
-        self.reg_dev_count = fn("ggml_backend_reg_dev_count", sz, vp)
-        self.reg_dev_get = fn("ggml_backend_reg_dev_get", vp, vp, sz)
-        self.reg_get_proc_address = fn("ggml_backend_reg_get_proc_address", vp, vp, cp)
-        self.dev_count = fn("ggml_backend_dev_count", sz)
-        self.dev_get = fn("ggml_backend_dev_get", vp, sz)
-        self.dev_by_name = fn("ggml_backend_dev_by_name", vp, cp)
-        self.dev_type = fn("ggml_backend_dev_type", ctypes.c_int, vp)
-        self.dev_backend_reg = fn("ggml_backend_dev_backend_reg", vp, vp)
-        self._dev_name = fn("ggml_backend_dev_name", cp, vp)
-        self._dev_description = fn("ggml_backend_dev_description", cp, vp)
-        self._dev_memory = fn("ggml_backend_dev_memory", None, vp, ctypes.POINTER(sz), ctypes.POINTER(sz))
-        self.set_abort_callback = fn("ggml_set_abort_callback", vp, _ABORT_CALLBACK)
-        self._rpc: tuple[object, object] | None = None
-
-    def dev_name(self, dev: int) -> str:
-        return (self._dev_name(dev) or b"").decode("utf-8", errors="replace")
-
-    def dev_info(self, dev: int) -> DeviceInfo:
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        self._dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        return DeviceInfo(self.dev_name(dev), (self._dev_description(dev) or b"").decode("utf-8", errors="replace"),
-                          _DEV_TYPE_NAMES.get(self.dev_type(dev), "other"), free.value, total.value)
-
-    def is_rpc_device(self, dev: int) -> bool:
-        reg = self.dev_backend_reg(dev)
-        return bool(reg) and self.reg_name(reg) == b"RPC"
-
-    def rpc(self) -> tuple[object, object]:
-        """(ggml_backend_rpc_add_server, ggml_backend_rpc_start_server), or ModelError when this build has no RPC."""
-        if self._rpc is None:
-            reg = self.reg_by_name(b"RPC")
-            add = self.reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
-            start = self.reg_get_proc_address(reg, b"ggml_backend_rpc_start_server") if reg else None
-            if not (add and start):
-                raise ModelError(f"this llama-cpp-python was built without RPC; rebuild it with: {RPC_REBUILD_COMMAND}")
-            self._rpc = (_RPC_ADD_SERVER(add), _RPC_START_SERVER(start))
-        return self._rpc
-
-
-_ggml_api: _Ggml | None = None
-
-
-def ggml() -> _Ggml:
-    global _ggml_api
-    ensure_backend()
-    with _init_lock:
-        if _ggml_api is None:
-            try:
-                _ggml_api = _Ggml()
-            except AttributeError as e:  # a ggml too old or too new for these signatures
-                raise ModelError(f"this llama-cpp-python's ggml lacks {e.name or e}; reinstall it with: "
-                                 f"{RPC_REBUILD_COMMAND}") from None
-        return _ggml_api
 
 
 def rpc_supported() -> bool:
@@ -249,7 +107,7 @@ def check_rpc_server(endpoint: str, timeout: float = RPC_CHECK_TIMEOUT) -> tuple
         raise ModelError(f"cannot reach the RPC server {endpoint}: {e.strerror or e} (is `specchat rpc-server` "
                          "running there?)") from None
     mismatch = (f"RPC server {endpoint} does not speak this build's RPC protocol v{RPC_PROTO_MAJOR_VERSION}."
-                f"{RPC_PROTO_MINOR_VERSION}: run the same llama-cpp-python ({llama_cpp.__version__}) on both machines")
+                f"{RPC_PROTO_MINOR_VERSION}: run the same llama-cpp-python ({LLAMA_CPP_VERSION}) on both machines")
     with sock:
         sock.settimeout(timeout)
         try:
@@ -269,40 +127,29 @@ def check_rpc_server(endpoint: str, timeout: float = RPC_CHECK_TIMEOUT) -> tuple
     return major, minor, patch
 
 
-def _local_offload_devices(api: _Ggml) -> list[int]:
+def _local_offload_devices(api: Ggml) -> list[int]:
     """This machine's GPUs (integrated ones only when there is no discrete one), as llama.cpp lists them."""
     gpus: list[int] = []
     igpus: list[int] = []
     for i in range(api.dev_count()):
         dev = api.dev_get(i)
         kind = api.dev_type(dev)
-        if kind == _DEV_GPU and not api.is_rpc_device(dev):
+        if kind == DEV_GPU and not api.is_rpc_device(dev):
             gpus.append(dev)
-        elif kind == _DEV_IGPU:
+        elif kind == DEV_IGPU:
             igpus.append(dev)
     return gpus or igpus
 
 
+_endpoints_lock = threading.Lock()
 _rpc_endpoints_in_use: list[str] = []
 _rpc_timeout_in_use = RPC_TIMEOUT
-_abort_lock = threading.Lock()
-_before_fatal_exit: list[Callable[[], None]] = []
 
 
-def on_fatal_exit(hook: Callable[[], None]) -> None:
-    """Run `hook` when ggml aborts and the process is about to leave at once (e.g. to put a terminal back).
-
-    A lost RPC server aborts inside ggml, on whatever thread was decoding; no
-    Python cleanup (finally blocks, atexit) runs after that, only these hooks.
-    """
-    _before_fatal_exit.append(hook)
-
-
-@_ABORT_CALLBACK
+@ABORT_CALLBACK
 def _on_ggml_abort(message: bytes | None) -> None:
-    """ggml is about to abort(): say it in one line and leave with the run-time failure code instead."""
-    if not _abort_lock.acquire(blocking=False):  # another thread is already reporting
-        threading.Event().wait()
+    """ggml is about to abort(): say it in one line (naming the servers when RPC failed) and leave with the
+    run-time failure code instead (backends.llama_process.fatal_exit)."""
     text = (message or b"").decode("utf-8", errors="replace").strip()
     detail = text.split(": ", 1)[1] if ": " in text and ".c" in text.split(": ", 1)[0] else text
     detail = " ".join(detail.split())
@@ -312,17 +159,7 @@ def _on_ggml_abort(message: bytes | None) -> None:
                 f"{_rpc_timeout_in_use:g} s ({detail})")
     else:
         line = f"llama.cpp stopped: {detail}"
-    for hook in _before_fatal_exit:
-        try:
-            hook()
-        except Exception:  # noqa: BLE001 - the process is ending either way
-            pass
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - the process is ending either way
-        pass
-    os.write(2, f"specchat: error: {line}\n".encode("utf-8", errors="replace"))
-    os._exit(RPC_LOST_EXIT_CODE)
+    fatal_exit(line)
 
 
 def rpc_timeout() -> float:
@@ -427,7 +264,7 @@ def rpc_model_devices(endpoints: Sequence[str]) -> list[int]:
     endpoints = list(dict.fromkeys(endpoints))
     for endpoint in endpoints:
         check_rpc_server(endpoint)
-    with _init_lock:
+    with _endpoints_lock:
         for endpoint in endpoints:
             if endpoint not in _rpc_endpoints_in_use:
                 _rpc_endpoints_in_use.append(endpoint)
@@ -487,8 +324,8 @@ def _server_devices(names: Sequence[str]) -> list[int]:
             devices.append(dev)
         return devices
     all_devices = [api.dev_get(i) for i in range(api.dev_count())]
-    devices = [d for d in all_devices if api.dev_type(d) not in (_DEV_CPU, _DEV_ACCEL) and not api.is_rpc_device(d)]
-    return devices or [d for d in all_devices if api.dev_type(d) == _DEV_CPU][:1]
+    devices = [d for d in all_devices if api.dev_type(d) not in (DEV_CPU, DEV_ACCEL) and not api.is_rpc_device(d)]
+    return devices or [d for d in all_devices if api.dev_type(d) == DEV_CPU][:1]
 
 
 def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None, devices: Sequence[str] = ()) -> None:
@@ -500,7 +337,6 @@ def serve_rpc(host: str, port: int, threads: int, cache_dir: str | None = None, 
     keeps the weights clients send (by hash), so a client reloading the same
     model sends only hashes (rpc-server's -c).
     """
-    ensure_backend()
     _add, start_server = ggml().rpc()
     devs = _server_devices(devices)
     array = (ctypes.c_void_p * len(devs))(*devs)

@@ -1,18 +1,27 @@
-"""The architecture's import rules, enforced (as harlequin does for its own layers).
+"""The architecture's import rules and the files' size, enforced (as harlequin does for its own layers).
 
-- Only the llama.cpp binding (backends/llama.py and its process-wide and RPC half, backends/llama_rpc.py)
-  imports llama_cpp: everything else talks to its typed surface.
+- Only the llama.cpp binding (backends/llama.py and its process-wide part, backends/llama_process.py)
+  imports llama_cpp: everything else, the RPC client and server in backends/llama_rpc.py included, talks
+  to its typed surface.
 - The project's modules import each other without cycles (runtime imports, at module level or in a
   function; `if TYPE_CHECKING:` imports may point anywhere): the engine, the strategy registry and `auto`
   once knew each other in a circle.
 - backends/ and models/ never import textual or app/: the engine has no UI.
 - models/ never imports backends/: model files are handled without llama.cpp (the quantizer is passed in).
+- No strategy (backends/strategies/, at any depth, `TYPE_CHECKING` imports included) imports the
+  scheduler or the engine (backends.scheduler, backends.engine): a strategy is a step machine that speaks
+  the step protocol (backends.steps) and is driven by whoever holds the contexts.
 - `specchat --help`, `specchat models ...` and `specchat serve --help` do not load llama.cpp, so they answer at once.
+- No source file of the project (app/, backends/, models/, tests/ with tests/perf/) has more than
+  MAX_LINES (500) lines, unless its module docstring says why in a sentence that starts with
+  "Over 500 lines" (e.g. "Over 500 lines: every case shares the one module-scoped server.").
+  Files stay small enough to read top to bottom; a longer one is a decision written down, not an accident.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +67,7 @@ def test_the_rules_see_every_package() -> None:
 
 def test_only_the_binding_imports_llama_cpp() -> None:
     assert _offenders(("app", "backends", "models"), ("llama_cpp",),
-                      allowed=("backends/llama.py", "backends/llama_rpc.py")) == []
+                      allowed=("backends/llama.py", "backends/llama_process.py")) == []
 
 
 def test_engine_and_models_have_no_ui() -> None:
@@ -67,6 +76,70 @@ def test_engine_and_models_have_no_ui() -> None:
 
 def test_models_do_not_import_the_engine() -> None:
     assert _offenders(("models",), ("backends",)) == []
+
+
+def _full_imports(path: Path) -> set[str]:
+    """Every module a file imports by its full dotted name (at any depth, TYPE_CHECKING blocks included);
+    `from package import name` counts both `package` and `package.name`, since the name may be a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+STRATEGIES_MUST_NOT_IMPORT = ("backends.scheduler", "backends.engine")
+
+
+def test_strategies_do_not_import_the_scheduler_or_the_engine() -> None:
+    strategies = sorted((ROOT / "backends" / "strategies").rglob("*.py"))
+    assert len(strategies) > 5 and any(p.parent.name == "auto" for p in strategies), "the scan sees auto/ too"
+    bad = []
+    for path in strategies:
+        hits = sorted(m for m in _full_imports(path)
+                      if any(m == f or m.startswith(f + ".") for f in STRATEGIES_MUST_NOT_IMPORT))
+        if hits:
+            bad.append(f"{path.relative_to(ROOT)}: {', '.join(hits)}")
+    assert bad == [], "strategies speak backends.steps, not the scheduler or the engine: " + "; ".join(bad)
+
+
+# -- file size -------------------------------------------------------------------------------------------------
+
+MAX_LINES = 500
+# A sentence of the module docstring that starts with it (at the docstring's start or after a sentence's end)
+# and goes on to give the reason.
+_OVER_MARKER = re.compile(r"(?:^|(?<=[.!?:;])\s)Over 500 lines\b\W*\w+")
+
+
+def _says_why_it_is_long(path: Path) -> bool:
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return bool(_OVER_MARKER.search(" ".join(doc.split())))
+
+
+def test_the_long_file_marker_reads_a_sentence() -> None:
+    def says(doc: str) -> bool:
+        return bool(_OVER_MARKER.search(" ".join(doc.split())))
+
+    assert says("Over 500 lines: one fixture feeds every case.")
+    assert says("The server's tests.\n\nOver 500 lines because the cases share one server.")
+    assert not says("Over 500 lines")  # no reason given
+    assert not says("Not over 500 lines.") and not says("Split when it is over 500 lines long.")
+
+
+def test_source_files_stay_under_500_lines_unless_they_say_why() -> None:
+    files = [p for package in ("app", "backends", "models", "tests") for p in _files(package)]
+    assert any(p.parent.name == "perf" for p in files), "the scan sees tests/perf/ too"
+    long = []
+    for path in files:
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_LINES and not _says_why_it_is_long(path):
+            long.append(f"{path.relative_to(ROOT)} ({n} lines)")
+    assert long == [], (f"over {MAX_LINES} lines without a docstring sentence starting 'Over 500 lines' that "
+                        "says why: " + ", ".join(long))
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["serve", "--help"], ["models", "pairs"],

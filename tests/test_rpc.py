@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.llama_rpc import RPC_REBUILD_COMMAND, rpc_supported, rpc_timeout, set_rpc_timeouts
+from backends.llama_process import RPC_REBUILD_COMMAND
+from backends.llama_rpc import rpc_supported, rpc_timeout, set_rpc_timeouts
 from models.errors import ModelError
 
 needs_rpc = pytest.mark.skipif(not rpc_supported(), reason=f"this llama-cpp-python has no RPC: {RPC_REBUILD_COMMAND}")
@@ -266,10 +267,10 @@ def test_a_server_of_another_protocol_version_is_one_line_and_exit_1(tiny) -> No
 
 
 def test_a_build_without_rpc_names_the_rebuild_command(monkeypatch) -> None:
-    from backends import llama_rpc
+    from backends import llama_process
     from models.errors import ModelError
 
-    api = llama_rpc._Ggml()
+    api = llama_process.Ggml()
     monkeypatch.setattr(api, "reg_by_name", lambda name: None)
     with pytest.raises(ModelError) as e:
         api.rpc()
