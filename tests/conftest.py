@@ -111,3 +111,15 @@ def demo_engine(demo_pair) -> Engine:
                                  n_seq_max=N_SEQ_MAX))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny: TinyFiles, tmp_path_factory: pytest.TempPathFactory):
+    """`specchat serve` on the tiny pair with serve_helpers.API_KEY, one per test module (each module's
+    counters start from a server of its own); stopped with Ctrl-C at the end, which must exit cleanly."""
+    from serve_helpers import API_KEY, start_server, stop_server  # httpx and openai only where a server runs
+
+    served = start_server(["-m", str(tiny.target), "-md", str(tiny.draft), "--api-key", API_KEY],
+                          tmp_path_factory.mktemp("serve") / "server.log")
+    yield served
+    stop_server(served)

@@ -15,8 +15,8 @@ from backends.engine import Engine, EngineConfig
 from backends.events import Done, Event
 from backends.prompt_cache import MIN_TOKENS, PromptCache
 from backends.sampling import GenParams
+from serve_helpers import start_server, stop_server
 from test_batching import _leaks
-from test_serve import start_server, stop_server
 
 # Long enough to be worth saving (MIN_TOKENS), and sharing less than half of their tokens.
 TEXTS = ["the cat sat on the mat and the dog ran to the house " * 3,

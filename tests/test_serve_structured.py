@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from gguf_factory import spm_vocab, write_llama_gguf
-from test_serve import API_KEY, Served, assert_error, spec, start_server, stop_server
+from serve_helpers import API_KEY, Served, assert_error, spec, start_server, stop_server
 
 # A ChatML template that knows tools as Qwen 2.5's and Hermes' do: the tools listed in the system turn, calls
 # written as <tool_call> JSON blocks, tool results sent back in <tool_response> blocks.
