@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.errors import print_progress
 from app.loading import quantize
+from app.units import format_size
 from models.catalog import CatalogModel, load_catalog
 from models.compat import PairCheck, check_pair
 from models.errors import ModelError
@@ -56,17 +57,6 @@ def add_models_parser(sub: argparse._SubParsersAction, parser_class: type[argpar
 
 def _offline(args: argparse.Namespace) -> bool | None:
     return True if getattr(args, "offline", False) else None  # None: huggingface_hub's HF_HUB_OFFLINE decides
-
-
-def format_size(n: float | None) -> str:
-    """Bytes as the CLI and the models screen show them (decimal units)."""
-    if n is None:
-        return "?"
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError
 
 
 class StderrBar:

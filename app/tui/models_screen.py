@@ -22,7 +22,7 @@ from textual.widgets import Footer, Header, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 
 from app.errors import describe
-from app.models_command import format_size
+from app.units import format_size
 from models.catalog import load_catalog
 from models.compat import check_pair
 from models.errors import ModelError
