@@ -7,7 +7,7 @@ each measures the same work. Speedups are ratios to `ar` taken within the
 same repeat and prompt, then the median. `--control` adds `ar` a second
 time: its ratio to `ar` is the machine's own noise, the band within which a
 configuration's ratio says nothing. The device's batch cost curve
-(backends.cost) turns each configuration's measured tokens per forward and
+(backends.pricing) turns each configuration's measured tokens per forward and
 drafts per forward into the speedup that llama.cpp's decode times alone
 would allow, so the table shows how close each runs to its limit. `auto`
 starts from nothing learnt (Engine.learn_afresh) and learns across the run,
@@ -23,11 +23,12 @@ from typing import Callable, Sequence
 
 from app.errors import UserError
 from app.prompt_sets import BenchPrompt
-from backends.cost import BatchCost, best_chain_speedup, predicted_speedup
 from backends.config import StrategyOptions
+from backends.device_cost import BatchCost
 from backends.engine import Engine
 from backends.events import Done, until_done
 from backends.grammar import Grammar, compile_grammar
+from backends.pricing import best_chain_speedup, predicted_speedup
 from backends.sampling import GenParams
 
 CHAIN_STRATEGIES = ("sps", "lookup")

@@ -23,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 
 from backends.config import AUTO_K_MAX, SUFFIX_CACHE_TOKENS, StrategyOptions
-from backends.cost import CostCache, DeviceCost, cost_key, measure_device_cost
+from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.registry import spec

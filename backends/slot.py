@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from backends.cost import DeviceCost
+from backends.device_cost import DeviceCost
 from backends.kv import KvSequence
 from backends.steps import BatchLoad
 from backends.store import JsonStore

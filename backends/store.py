@@ -11,7 +11,7 @@ left half-written; two processes writing at the same moment (a chat and a
 server on the same models) may lose one's entry, which only costs measuring
 or learning it again.
 
-Used for the device's batch cost curve (backends.cost.CostCache, so a new
+Used for the device's batch cost curve (backends.device_cost.CostCache, so a new
 session's first turn pays no calibration) and for what `auto` has learnt of a
 model pair's acceptance (so a new session does not pay its first tries again).
 """

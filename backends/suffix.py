@@ -65,19 +65,6 @@ class Continuations:
     def __len__(self) -> int:
         return len(self.tree)
 
-    # Temporary, for backends.strategies.auto.generation until it reads `tree` (issue 41): the former fields.
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.tree.tokens
-
-    @property
-    def parents(self) -> tuple[int, ...]:
-        return self.tree.parents
-
-    @property
-    def probs(self) -> tuple[float, ...]:
-        return self.tree.weights
-
 
 def merge_continuations(sequences: Sequence[Sequence[int]], weights: Sequence[float], max_nodes: int,
                         match: int) -> Continuations:

@@ -1,5 +1,5 @@
 """`auto`'s candidate tree from the speculation memory and lookup: which nodes are worth verifying, and what
-each verified node teaches (backends.tree_pricing.best_subtree with a rate, backends.strategies.auto.
+each verified node teaches (backends.pricing.best_subtree with a rate, backends.strategies.auto.
 proposals). Pure logic, checked against hand-worked expectations; the tree on real llama.cpp is tested in
 test_suffix.py (the target's law and ar's greedy output)."""
 
@@ -9,11 +9,11 @@ from typing import Callable, Sequence
 
 import pytest
 
+from backends.pricing import Priced, best_subtree, path_reach
 from backends.strategies.auto.decide import best_chain_length
 from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
 from backends.suffix import Continuations
 from backends.token_tree import EMPTY, TokenTree
-from backends.tree_pricing import Priced, best_subtree, path_reach
 
 RATE, T_PLAIN = 50.0, 0.02
 

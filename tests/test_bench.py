@@ -13,8 +13,9 @@ import pytest
 from app.bench import first_difference, format_table, mismatch_lines
 from app.bench_command import build_configs
 from app.prompt_sets import BUILTIN, load_prompt_set
-from backends.cost import BatchCost, best_chain_speedup, expected_tokens
 from backends.config import StrategyOptions
+from backends.device_cost import BatchCost
+from backends.pricing import best_chain_speedup, expected_tokens
 
 RESULT_KEYS = {
     "label", "strategy", "tokens_per_second", "tokens_per_second_min", "tokens_per_second_max", "speedup",

@@ -15,11 +15,10 @@ from app.conversations import Conversation, ConversationStore
 from app.session import ChatSession, TurnRequest, estimated_cut, first_fitting_cut
 from app.settings import Settings, load_settings, save_settings
 from backends.engine import Engine, EngineConfig
-from backends.config import StrategyOptions
+from backends.config import StrategyOptions, TreeConfig
 from backends.events import Done, until_done
 from backends.sampling import GenParams
 from backends.strategies.lookup import LookupConfig
-from backends.strategies.tree import TreeConfig
 from gguf_factory import WORDS, write_llama_gguf
 from models.files import write_atomic
 

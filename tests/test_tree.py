@@ -2,7 +2,7 @@
 
 Both shapes (EAGLE-2's dynamic tree, llama.cpp speculative.cpp's static
 branch splitting) and both budgets (a fixed M, M chosen per step from the
-batch cost curve, backends.tree_pricing.best_subtree, the rule `auto` prices
+batch cost curve, backends.pricing.best_subtree, the rule `auto` prices
 its trees by).
 """
 
@@ -13,13 +13,13 @@ import random
 
 import pytest
 
-from backends.cost import BatchCost, DeviceCost
+from backends.config import AUTO, AUTO_K_MAX, StrategyOptions, TreeConfig
+from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
-from backends.config import StrategyOptions
+from backends.pricing import best_subtree
 from backends.sampling import GenParams
-from backends.strategies.tree import AUTO, AUTO_K_MAX, TreeConfig, TreeSpeculation
+from backends.strategies.tree import TreeSpeculation
 from backends.token_tree import TokenTree, TreeBuilder
-from backends.tree_pricing import best_subtree
 from engine_helpers import run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch

@@ -55,3 +55,15 @@ async def send(pilot: Pilot, text: str) -> None:
     await wait_for(pilot, lambda: not chat.generating and (chat.last_done is not before or len(errors(chat)) > n_errors),
                    "the answer")
     await pilot.pause()
+
+
+def char_styles(*texts) -> list[tuple[str, str]]:
+    """Each visible character of rich Texts with the styles on it (a space's or a newline's shows nowhere)."""
+    out = []
+    for text in texts:
+        styles: list[list[str]] = [[] for _ in text.plain]
+        for span in text.spans:
+            for i in range(span.start, span.end):
+                styles[i].append(str(span.style))
+        out += [(ch, "+".join(st)) for ch, st in zip(text.plain, styles) if not ch.isspace()]
+    return out

@@ -17,9 +17,10 @@ from typing import Generator, Sequence
 import numpy as np
 
 from backends.events import ACCEPTED, TARGET, Event, Source
-from backends.kv import Decode, KvSequence
+from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import argmax, probabilities
+from backends.steps import Decode
 from backends.token_tree import TokenTree
 from backends.verify import choose_among_candidates
 
@@ -55,17 +56,12 @@ class TreeVerdict:
     path: tuple[int, ...] = ()  # the nodes the target's tokens matched, from the root (a stop may end it early)
 
 
-def verify_tree(run: Run, target: KvSequence, tree: TokenTree | Sequence[int], source: Source | Sequence[int],
-                choice: str, why: str = "", *legacy: str) -> Generator[Event | Decode, list[int], TreeVerdict]:
+def verify_tree(run: Run, target: KvSequence, tree: TokenTree, source: Source, choice: str,
+                why: str = "") -> Generator[Event | Decode, list[int], TreeVerdict]:
     """SpecInfer's tree verification in one target batch: every root-to-leaf path under its own sequence id
     (a node belongs to the ids of all paths through it), then the target walks the tree from the root
     (greedy: the child equal to its argmax; sampling: the one-hot multi-candidate rule, `pick_among`), and
-    the accepted path's cells become sequence 0.
-
-    Temporary, for backends.strategies.auto.generation until it passes a TokenTree (issue 41): the former
-    call (run, target, tokens, parents, source, choice, why) is taken too."""
-    if not isinstance(tree, TokenTree):
-        tree, source, choice, why = TokenTree(tree, source), choice, why, (legacy[0] if legacy else "")  # type: ignore[arg-type]
+    the accepted path's cells become sequence 0."""
     tokens, depth, leaves = tree.tokens, tree.depth, tree.leaves
     n_past = len(run.context) - 1
     paths: list[set[int]] = [set() for _ in tokens]  # target sequence ids through each node

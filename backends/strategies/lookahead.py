@@ -70,7 +70,7 @@ class LookaheadWindow:
         n_vocab = target.n_vocab
         self.window = [[(_WINDOW_INIT_TOKEN + i) % n_vocab for i in range(W)] for _ in range(N - 1)]
         self.accepted_hist = [0] * N
-        self.batch_tokens = 0  # tokens decoded by all forwards, for the cost model (backends.cost)
+        self.batch_tokens = 0  # tokens decoded by all forwards, for the cost model (backends.pricing)
 
     @property
     def n_seqs(self) -> int:

@@ -27,7 +27,7 @@ from backends.config import SuffixConfig
 from backends.kv import KvSequence
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.scheduler import Steps
+from backends.steps import Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step

@@ -23,7 +23,7 @@ Selection (EAGLE-2's rerank): all drafted nodes are ordered by cumulative
 probability and a prefix is verified. Cumulative probability only falls along
 a path, so every prefix is a tree. Its length M is `nodes`, or with
 `nodes="auto"` it is chosen at every step from the device's measured batch
-cost curve (backends.tree_pricing.best_subtree, the rule `auto` prices its
+cost curve (backends.pricing.best_subtree, the rule `auto` prices its
 trees by): the M maximizing expected tokens (1 + the sum of the kept nodes'
 cumulative draft probabilities, EAGLE-2's estimate of the acceptance length)
 per unit of time (the step's draft forwards at the measured draft cost +
@@ -50,17 +50,17 @@ from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
-from backends.config import AUTO, AUTO_K_MAX, SHAPES, Shape, TreeConfig  # noqa: F401 (the tree's settings, re-exported)
-from backends.cost import DeviceCost
-from backends.kv import Decode, KvSequence
+from backends.config import TreeConfig
+from backends.device_cost import DeviceCost
+from backends.kv import KvSequence
+from backends.pricing import best_subtree
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.scheduler import Steps
+from backends.steps import Decode, Steps
 from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
 from backends.token_tree import TokenTree, TreeBuilder
-from backends.tree_pricing import best_subtree
 
 
 @dataclass
@@ -113,7 +113,7 @@ class TreeSpeculation(StepMachine):
         self.target = target
         self.draft = draft
         self.config = config
-        self.draft_forwards = 0  # draft decode calls, for the cost model (backends.cost)
+        self.draft_forwards = 0  # draft decode calls, for the cost model (backends.pricing)
         self.device_cost = device_cost  # the engine's measured costs (backends.engine.Engine.device_cost)
         self.cost: DeviceCost | None = None  # taken at the first generation when nodes="auto"
 
@@ -197,7 +197,7 @@ class TreeSpeculation(StepMachine):
 
     def _auto_budget(self, drafted: TokenTree, draft_forwards: int) -> int:
         """M from the device's cost curve: the size of the subtree worth most tokens per unit of target time
-        (backends.tree_pricing.best_subtree at the tree's own rate), within the curve measured, then within
+        (backends.pricing.best_subtree at the tree's own rate), within the curve measured, then within
         the config's bound."""
         if self.cost is None:  # no room to measure: verify what a fixed default would
             return min(TreeConfig.nodes, self.config.max_nodes)  # type: ignore[type-var]
@@ -223,7 +223,7 @@ class TreeSpeculation(StepMachine):
             yield from self.draft.syncing(prompt[:-1], logits=False)
             cached = yield from target.syncing(prompt[:-1], logits=False)
             if self.config.auto and self.cost is None:
-                # After a real context, on this device; appends cells and removes them (backends.cost).
+                # After a real context, on this device; appends cells and removes them (backends.device_cost).
                 self.cost = self.device_cost()
             return cached
 

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Callable
 
 from backends.config import AutoConfig, SpsConfig
 from backends.kv import KvSequence
+from backends.pricing import best_subtree, path_reach
 from backends.run import Run
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, SWITCH_HORIZON,
-                                            TRY_DRAFT_MAX, Choice, best_chain_length, best_subtree,
-                                            explore_interval)
+                                            TRY_DRAFT_MAX, Choice, best_chain_length, explore_interval)
 from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree
 from backends.strategies.auto.state import AutoState, Calibration, confidence_bin, lookup_key
 
@@ -93,17 +93,18 @@ class Chooser:
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         tree = props.tree
-        if tree.tokens and room > 0:
+        if len(tree) and room > 0:
             props.tree_estimates = tree.accept(self.p)
             factor = self.memory_calibration.factor()
             props.tree_accept = [min(a * factor, 0.99) if p < 0 else a
-                                 for a, p in zip(props.tree_estimates, tree.parents)]
+                                 for a, p in zip(props.tree_estimates, tree.tree.parents)]
             # Depth is bounded by the room (the tree was built so); the node count by the context's free cells.
             cells = run.n_ctx - len(run.context)
-            nodes, tokens, seconds = best_subtree(tree.parents, props.tree_accept, rate, t_plain, costs.relative,
-                                                  self.tree_leaves, min(self.tree_nodes, cells))
-            if nodes:
-                options.append(Choice(MEMORY, len(nodes), tokens, seconds, nodes=tuple(nodes)))
+            priced = best_subtree(tree.tree, path_reach(tree.tree, props.tree_accept),
+                                  lambda n: t_plain * costs.relative(n + 1) if n else t_plain, rate,
+                                  self.tree_leaves, min(self.tree_nodes, cells))
+            if priced.nodes:
+                options.append(Choice(MEMORY, len(priced.nodes), priced.tokens, priced.cost, nodes=priced.nodes))
             else:  # for the record, and for a try: the likeliest first token
                 first = tree.likeliest_path(props.tree_accept, 1)
                 options.append(replace(self._chain_of_one(MEMORY, props.tree_accept[first[0]], t_plain, 0.0),

@@ -4,7 +4,7 @@ The seconds side of the decision (backends.strategies.auto.choose weighs
 them against expected tokens). Its inputs:
   - the device's batch cost curve T(k)/T(1) and the draft's cost, measured
     once per model files, threads and build and cached on disk
-    (backends.cost, Slot.device_cost), which seed
+    (backends.device_cost, Slot.device_cost), which seed
   - the live time of a plain step and of a draft decode (`AutoState.t_plain`,
     `t_draft`), learnt from every step this sequence decodes alone;
   - the curve's error: the extra cost beyond one token is scaled by what
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from backends.cost import BatchCost, DeviceCost
+from backends.device_cost import BatchCost, DeviceCost
 from backends.strategies.auto.state import AutoState, Ewma
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class CostModel:
         never pays).
 
         Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
-        measured on a busy machine is made non-decreasing by suffix minima (backends.cost.monotone), which
+        measured on a busy machine is made non-decreasing by suffix minima (backends.device_cost.monotone), which
         leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
         (docs/results.md, "Continuous batching", traces what that cost)."""
         if not others:

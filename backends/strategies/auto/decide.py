@@ -1,8 +1,9 @@
-"""How `auto` chooses a step: the options, the expected worth of a chain, and when to try an option again.
+"""The arithmetic of `auto`'s choice: an option's worth, the expected tokens of a chain, and when to try again.
 
 Pure functions of the estimates (backends.strategies.auto.state) and the
-device's cost curve; backends.strategies.auto explains the rule (Dinkelbach's
-transform of tokens per second) and the exploration schedule.
+cost of a batch; backends.strategies.auto.choose applies them each step
+(Dinkelbach's transform of tokens per second). Which subtree of a candidate
+tree pays is backends.pricing's, shared with `tree`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
-
-from backends import tree_pricing
-from backends.token_tree import TokenTree
 
 PLAIN, DRAFT, LOOKUP, LOOKAHEAD, MEMORY = "plain", "draft", "lookup", "lookahead", "memory"
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
@@ -36,12 +34,6 @@ BACKOFF_MAX = 3
 # the confidence estimates on a chain of a few tokens costs a third to a half of one drafting K, and lands
 # whole on whichever answer it falls in.
 TRY_DRAFT_MAX = 3
-# Under load, an extra row is priced by the curve's slope over at least this many rows from the batch's size
-# (_curve_relative): a single step of the measured curve may be flat.
-LOAD_SLOPE_SPAN = 4
-# The least the batch cost curve's extra cost is scaled by (Calibration can approach 0 when verification batches
-# keep taking no longer than a plain step, as they may on a GPU): a row is never taken as free.
-MIN_CURVE_SCALE = 0.1
 
 
 @dataclass(frozen=True)
@@ -98,30 +90,6 @@ def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curv
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (i, expected, seconds)
     return best
-
-
-# Temporary, for backends.strategies.auto.generation (and its split modules) until they call
-# backends.tree_pricing and backends.token_tree themselves (issue 41): the former signatures over a bare
-# `parents` list. Which subtree pays is tree_pricing.best_subtree's, for `auto` and `tree` alike.
-def _shape(parents: Sequence[int]) -> TokenTree:
-    return TokenTree((0,) * len(parents), tuple(parents))
-
-
-def best_subtree(parents: Sequence[int], accept: Sequence[float], rate: float, t_plain: float,
-                 curve: Callable[[float], float], max_leaves: int = 1, max_nodes: int = 1 << 30
-                 ) -> tuple[list[int], float, float]:
-    tree = _shape(parents)
-    priced = tree_pricing.best_subtree(tree, tree_pricing.path_reach(tree, accept),
-                                       lambda n: t_plain * curve(n + 1) if n else t_plain, rate, max_leaves, max_nodes)
-    return list(priced.nodes), priced.tokens, priced.cost
-
-
-def path_reach(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
-    return tree_pricing.path_reach(_shape(parents), accept)
-
-
-def is_chain(parents: Sequence[int], nodes: Sequence[int]) -> bool:
-    return _shape(parents).is_chain(nodes)
 
 
 def explore_interval(budget: float, extra_steps: float, n_options: int, taken: int, backoff: int = 0) -> int:

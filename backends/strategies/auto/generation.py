@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Generator, Iterator, Sequence
 
 import numpy as np
 
+from backends.pricing import path_reach
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.steps import Decode
 from backends.strategies.auto.choose import CHAIN_LAG, Chooser, DraftPays, Proposals
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
-                                            expected_chain_tokens, is_chain, path_reach)
+                                            expected_chain_tokens)
 from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
@@ -161,12 +162,9 @@ class Generation:
             return CandidateTree()
         found = prune_by_grammar(run, self.memory.continuations(
             run.context, min(self.cfg.draft_max, run.room() - 1), self.tree_nodes, min_match=MEMORY_MIN_MATCH))
-        if not found.tokens:
+        if not len(found):
             return CandidateTree()
-        depth: list[int] = []
-        for p in found.parents:
-            depth.append(depth[p] + 1 if p >= 0 else 0)
-        keys = [memory_key(found.match, share, d) for share, d in zip(found.probs, depth)]
+        keys = [memory_key(found.match, share, d - 1) for share, d in zip(found.tree.weights, found.tree.depth)]
         return candidate_tree(found, keys, lookup, [lookup_key(match, i) for i in range(len(lookup))])
 
     def _learn(self, source: str, key: object, accepted: bool) -> None:
@@ -177,26 +175,26 @@ class Generation:
         a tree (backends.strategies.branches.verify_tree); each node the target looked at teaches its
         estimates."""
         props, nodes, run = self.proposals, list(choice.nodes), self.run
-        tree = props.tree
-        tokens, parents = tree.subtree(nodes)
-        keys = [tree.keys[n] for n in nodes]
-        reach = path_reach(tree.parents, props.tree_estimates)
+        candidates = props.tree
+        chosen = candidates.tree.subset(nodes)
+        keys = [candidates.keys[n] for n in nodes]
+        reach = path_reach(candidates.tree, props.tree_estimates)
         predicted = sum(reach[n] for n in nodes)  # extra tokens the counts expect, for the calibration
         before = len(run.output)
         assert self.memory is not None
-        if is_chain(tree.parents, nodes):
-            verdict = yield from self._chain(tokens, None, MEMORY, choice, keys)
-            self.memory.record(len(tokens), verdict.n_accepted)
+        if candidates.tree.is_chain(nodes):
+            verdict = yield from self._chain(list(chosen.tokens), None, MEMORY, choice, keys)
+            self.memory.record(len(chosen), verdict.n_accepted)
         else:
             t0 = time.perf_counter()
-            v = yield from verify_tree(self.run, self.target, tokens, parents, "memory", "memory", choice.why)
+            v = yield from verify_tree(self.run, self.target, chosen, "memory", "memory", choice.why)
             self.tree_steps += 1
-            self.costs.learn_scale(time.perf_counter() - t0, len(tokens))
-            self._rows(len(tokens) + 1)
-            for i, accepted in looked_at(parents, v.path, finished=len(v.path) > v.matched):
+            self.costs.learn_scale(time.perf_counter() - t0, len(chosen))
+            self._rows(len(chosen) + 1)
+            for i, accepted in looked_at(chosen.parents, v.path, finished=len(v.path) > v.matched):
                 for source, key in keys[i]:
                     self._learn(source, key, accepted)
-            self.memory.record(len(tokens), v.accepted)
+            self.memory.record(len(chosen), v.accepted)
         self.chooser.memory_calibration.add(len(run.output) - before - 1, predicted)
 
     def _rows(self, n: int) -> None:

@@ -5,7 +5,7 @@ current suffix in earlier outputs and in the request itself; `auto` prices
 each node instead of shaping the tree by a fixed rule: every node carries the
 estimates it is learnt under (the memory's by match, share and position,
 lookup's by match and position; a node both propose carries both, and counts
-as the likelier), backends.tree_pricing.best_subtree picks the nodes worth
+as the likelier), backends.pricing.best_subtree picks the nodes worth
 their batch rows (the rule `tree` sizes its draft trees by), and after
 verification every node the target looked at (a child of the root or of an
 accepted node) teaches each of its estimates whether it was accepted. The
@@ -60,20 +60,6 @@ class CandidateTree:
     def likeliest_path(self, accept: Sequence[float], limit: int) -> list[int]:
         """The path from the root through each node's likeliest child (by `accept`), up to `limit` nodes."""
         return self.tree.likeliest_path(limit, accept)
-
-    # Temporary, for backends.strategies.auto.generation until it reads `tree` (issue 41): the former
-    # fields, and the former (tokens, parents) of a subset (now self.tree.subset(nodes)).
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.tree.tokens
-
-    @property
-    def parents(self) -> tuple[int, ...]:
-        return self.tree.parents
-
-    def subtree(self, nodes: Sequence[int]) -> tuple[list[int], list[int]]:
-        chosen = self.tree.subset(nodes)
-        return list(chosen.tokens), list(chosen.parents)
 
 
 def candidate_tree(memory: Continuations, memory_keys: Sequence[object], lookup: Sequence[int],

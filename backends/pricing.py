@@ -1,4 +1,12 @@
-"""Which subtree of a token tree pays for its batch rows: one rule for `tree` and for `auto`.
+"""What speculation is worth on a device's cost curve: a chain's speedup, and which subtree of a token tree
+pays for its batch rows (one rule for `tree` and for `auto`).
+
+A chain (Leviathan et al. 2023, section 3.4): K drafts each accepted with
+probability alpha yield (1 - alpha^(K+1)) / (1 - alpha) tokens per target
+pass, and the step costs K c + T(K+1)/T(1) target steps for a draft of
+relative cost c (`chain_speedup`; `bench` shows what these predict).
+
+A tree:
 
 A node is accepted with the chance of its whole path (its `reach`), and
 verifying a set of nodes yields 1 + the sum of their reaches tokens (at most
@@ -32,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from backends.device_cost import BatchCost
 from backends.token_tree import TokenTree
 
 UNBOUNDED = 1 << 30
@@ -116,3 +125,25 @@ def best_subtree(tree: TokenTree, reach: Sequence[float], cost: Callable[[int], 
         if worth(tokens, spent) > best_worth:
             best, best_worth = Priced(tuple(sorted(chosen)), tokens, spent), worth(tokens, spent)
     return best
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per forward for a chain of k drafts each accepted with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def chain_speedup(alpha: float, k: int, draft_cost: float, cost: BatchCost) -> float:
+    return expected_tokens(alpha, k) / (k * draft_cost + cost.relative(k + 1))
+
+
+def best_chain_speedup(alpha: float, draft_cost: float, cost: BatchCost, k_max: int = 16) -> tuple[float, int]:
+    """The best speedup any fixed K can reach, and that K."""
+    return max((chain_speedup(alpha, k, draft_cost, cost), k) for k in range(1, min(k_max, len(cost.seconds) - 1) + 1))
+
+
+def predicted_speedup(tokens_per_forward: float, drafts_per_forward: float, batch_per_forward: float,
+                      draft_cost: float, cost: BatchCost) -> float:
+    """Speedup if llama.cpp's decodes were the only cost, from a run's measured averages."""
+    return tokens_per_forward / (drafts_per_forward * draft_cost + cost.relative(batch_per_forward))

@@ -1,12 +1,13 @@
-"""The device's cost model for speculation: what a batch of k tokens costs
-relative to one, and the speedup that implies.
+"""The device's measured cost for speculation: what a batch of k tokens costs relative to one, and a draft
+token against a target step; measured once per model files, threads and build, and kept on disk.
 
-Speculation pays only when verifying k tokens costs little more than one
-(Leviathan et al. 2023, section 3.4: the expected improvement factor is
-(1 - alpha^(K+1)) / ((1 - alpha) (K c + T(K+1)/T(1))) for a draft of relative
-cost c and per-token acceptance alpha). The curve is measured on the user's
-device, with logits on every row as verification needs them. Which subtree
-of a token tree pays for its rows is backends.tree_pricing's.
+Speculation pays only when verifying k tokens costs little more than one,
+and how much more is a property of the device (a batch of 5 costs 1.3x one
+token on a memory-bound CPU model, several times more where compute
+bounds it). So the curve is measured on the user's device, with logits on
+every row as verification needs them, and cached (`CostCache`) so that a new
+session does not pay the measurement again. What it implies for a chain or
+a tree is backends.pricing's.
 """
 
 from __future__ import annotations
@@ -137,25 +138,3 @@ class CostCache:
     def put(self, key: str, cost: DeviceCost | None) -> None:
         """Store `cost` under `key` (None: forget the entry)."""
         self.store.put(key, None if cost is None else cost.as_json())
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per forward for a chain of k drafts each accepted with probability alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def chain_speedup(alpha: float, k: int, draft_cost: float, cost: BatchCost) -> float:
-    return expected_tokens(alpha, k) / (k * draft_cost + cost.relative(k + 1))
-
-
-def best_chain_speedup(alpha: float, draft_cost: float, cost: BatchCost, k_max: int = 16) -> tuple[float, int]:
-    """The best speedup any fixed K can reach, and that K."""
-    return max((chain_speedup(alpha, k, draft_cost, cost), k) for k in range(1, min(k_max, len(cost.seconds) - 1) + 1))
-
-
-def predicted_speedup(tokens_per_forward: float, drafts_per_forward: float, batch_per_forward: float,
-                      draft_cost: float, cost: BatchCost) -> float:
-    """Speedup if llama.cpp's decodes were the only cost, from a run's measured averages."""
-    return tokens_per_forward / (drafts_per_forward * draft_cost + cost.relative(batch_per_forward))

@@ -1,0 +1,46 @@
+"""What the `auto` tests share: engines on a synthetic device, and a generation asked for its decisions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends.config import AutoConfig, StrategyOptions
+from backends.device_cost import BatchCost, DeviceCost
+from backends.engine import Engine, EngineConfig
+from backends.sampling import GenParams
+from backends.steps import run_now
+from backends.strategies.auto import AutoDecoding
+from backends.strategies.auto.generation import Generation
+from backends.strategies.auto.state import AutoState
+
+
+TINY_PROMPTS = ["the cat sat on the mat", "once upon a time there was", "def hello world return print"]
+NO_EXPLORING = StrategyOptions(auto=AutoConfig(explore_budget=0.0))
+
+
+def flat(k_max: int = 16) -> BatchCost:
+    return BatchCost(tuple(0.01 for _ in range(k_max)))
+
+
+def steep(k_max: int = 16) -> BatchCost:
+    return BatchCost(tuple(0.01 * k for k in range(1, k_max + 1)))
+
+
+def synthetic_engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int = 8) -> Engine:
+    """An engine on a synthetic device: `cost` is what Engine.device_cost hands out, and auto keeps its times
+    (it learns acceptance only), so its decisions do not depend on how busy the test machine is."""
+    engine = Engine(EngineConfig(target=tiny_files.target, draft=draft, n_ctx=1024, threads=1, n_seq_max=n_seq,
+                                 cost_cache=Path("")))
+    engine._cost = cost
+    if cost is not None:
+        engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+    return engine
+
+
+def prefilled(engine: Engine, options: StrategyOptions = StrategyOptions(), prompt: list[int] | None = None,
+               max_tokens: int = 64) -> Generation:
+    """One generation of auto on the engine's first slot, its prompt decoded, to ask its decisions directly."""
+    prompt = engine.tokenize(TINY_PROMPTS[0]) if prompt is None else prompt
+    gen = Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=max_tokens))
+    run_now(gen.prefill())
+    return gen

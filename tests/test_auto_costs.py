@@ -1,0 +1,272 @@
+"""`auto`'s decision rule and cost model on synthetic costs: the options' worth, the curve's correction by what
+verification batches take, the cost cache, and a row's price under load (backends.strategies.auto.choose, .costs,
+.decide; backends.device_cost)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from backends.config import AutoConfig, StrategyOptions
+from backends.device_cost import BatchCost, CostCache, DeviceCost, cost_key
+from backends.engine import Engine, EngineConfig
+from backends.sampling import GenParams
+from backends.strategies.auto.decide import best_chain_length, expected_chain_tokens
+from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
+                                            confidence_bin, lookup_acceptance, lookup_key)
+from backends.strategies.lookup import NgramIndex
+from auto_helpers import TINY_PROMPTS, flat, prefilled as _prefilled, synthetic_engine as _engine
+from engine_helpers import run_to_done
+from test_lossless import _copying_prompt
+
+
+# -- the decision rule, pure ------------------------------------------------------------------------------------------
+
+def test_flat_curve_and_high_acceptance_speculate_long() -> None:
+    k, tokens, seconds = best_chain_length([0.9] * 10, rate=100.0, t_plain=0.01, curve=lambda _k: 1.0)
+    assert k == 10 and tokens > 6 and seconds == pytest.approx(0.01)
+
+
+def test_steep_curve_and_low_acceptance_stay_plain() -> None:
+    k, tokens, _ = best_chain_length([0.3] * 10, rate=100.0, t_plain=0.01, curve=lambda k: float(k))
+    assert k == 0 and tokens == 1.0
+
+
+def test_chain_stops_where_the_next_token_costs_more_than_it_brings() -> None:
+    """T(k)/T(1) = 1 + 0.2 (k-1), acceptance 0.5 per token: the i-th token brings 0.5^i, costs 0.2 plain steps."""
+    k, _, _ = best_chain_length([0.5] * 10, rate=100.0, t_plain=0.01, curve=lambda k: 1 + 0.2 * (k - 1))
+    assert k == 2  # 0.5 and 0.25 pay for 0.2 each; 0.125 does not
+    k_draft, _, _ = best_chain_length([0.5] * 10, 100.0, 0.01, lambda k: 1 + 0.2 * (k - 1), per_token=0.002)
+    assert k_draft == 1, "a draft token's own cost (0.2 plain steps) shortens the chain"
+
+
+def test_acceptance_estimates_follow_the_evidence() -> None:
+    a = Acceptance(lambda _k: 0.5, weight=2.0, decay=0.99)
+    assert a.p("x") == 0.5
+    for _ in range(50):
+        a.update("x", True)
+    assert a.p("x") > 0.9
+    for _ in range(300):
+        a.update("x", False)
+    assert a.p("x") < 0.1, "old evidence decays"
+    assert confidence_bin(0.0) == 0 and confidence_bin(0.55) == 5 and confidence_bin(1.0) == 9
+
+
+def test_lookup_matches_are_followed_back_past_the_ngram_and_learnt_in_bins() -> None:
+    """A suffix copied from a longer passage matches as far back as the copy goes (up to `extend`), so
+    copying and quoting a phrase are learnt apart; the bins and positions clip as documented."""
+    index = NgramIndex(1, 3)
+    tokens = [7, 1, 2, 3, 4, 5, 9, 8, 1, 2, 3, 4, 5]
+    assert index.propose_with_match(tokens, 2) == ([9, 8], 3)
+    assert index.propose_with_match(tokens, 2, extend=1) == ([9, 8], 4)
+    assert index.propose_with_match(tokens, 2, extend=16) == ([9, 8], 5), "stops where the texts differ (7 vs 8)"
+    assert NgramIndex(1, 3).propose_with_match([1, 2, 3, 1, 2, 3], 2, extend=16) == ([1, 2], 3), "stops at the start"
+    assert lookup_key(0, 0) == (1, 0) and lookup_key(3, 1) == (3, 1) and lookup_key(5, 7) == (4, LOOKUP_POSITIONS)
+    assert lookup_key(12, 2) == (10, 2) and lookup_key(MATCH_EXTEND + 3, 0) == (16, 0)
+
+
+def test_lookup_positions_not_yet_verified_borrow_the_estimate_before_them() -> None:
+    """Copies accepted at the first two positions make the third and later worth verifying, so chains grow
+    as far as the text repeats; a match length never seen keeps the low prior."""
+    a = lookup_acceptance(first=0.15)
+    assert a.p((3, 0)) == a.p((3, 2)) == 0.6, "a 3-token match starts likelier right than a 1-token one"
+    assert (a.p((1, 0)), a.p((2, 0))) == (0.15, 0.3)
+    for _ in range(30):
+        a.update((3, 0), False)
+    assert a.p((3, 0)) < 0.1 and a.p((3, 2)) < 0.1, "a prior that was too hopeful is corrected by what is seen"
+    a = lookup_acceptance(first=0.15)
+    for _ in range(30):
+        a.update((3, 0), True)
+        a.update((3, 1), True)
+    assert a.p((3, 2)) > 0.85 and a.p((3, 3)) > 0.85, "unseen positions follow the ones before them"
+    assert a.p((1, 0)) == 0.15 and a.p((1, 3)) == 0.15
+    for _ in range(30):
+        a.update((3, 2), False)
+    assert a.p((3, 2)) < 0.2 and a.p((3, 3)) < 0.2, "evidence at a position overrides the borrowed prior"
+
+
+def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> None:
+    """Counts learnt on copying text promise long lookups; in an answer whose lookups keep failing, the
+    calibration (extra tokens given / predicted, each with 2 tokens of prior) scales them down until none
+    pays, and back up when they pay; small promises broken move it little."""
+    accept = [0.8] * 8
+    curve = BatchCost(tuple(0.01 * (1 + 0.15 * k) for k in range(16)))
+    rate = 1 / 0.01
+    assert expected_chain_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    cal = Calibration()
+    assert cal.factor() == 1.0  # no lookup step yet: the counts alone
+    k, _, _ = best_chain_length(accept, rate, 0.01, curve.relative)
+    assert k == len(accept)
+    promised = expected_chain_tokens(accept, k) - 1
+    cal.add(0.0, promised)
+    assert cal.factor() == pytest.approx(2 / (promised + 2))
+    for _ in range(5):  # each promised the whole chain, gave a quarter of a token beyond the first
+        cal.add(0.25, promised)
+    f = cal.factor()
+    assert f < 0.25
+    assert best_chain_length([accept[0] * f, *accept[1:]], rate, 0.01, curve.relative)[0] == 0
+    for _ in range(30):  # copying again: more than predicted
+        cal.add(6.0, 3.0)
+    assert cal.factor() > 1.8
+    small = Calibration()
+    small.add(0.0, 0.5)
+    assert small.factor() == pytest.approx(0.8)
+
+
+def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
+    """A draft measured to give 2 tokens for 1.6 plain steps pays (1 more token for 0.6 more steps) when it is
+    in sync. After 100 tokens decoded without it, catching up costs ~9 plain steps (0.15 of a draft decode per
+    token, the prior), more than 8 of its steps gain back: plain. A short lag is worth paying over 8 steps but
+    not over the last step of the answer."""
+    engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 0.6))
+    options = StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
+    try:
+        state = engine.auto_states["greedy"]
+        for _ in range(20):
+            state.draft_step_tokens.add(2.0)
+            state.draft_step_cost.add(1.6)
+        prompt = engine.tokenize(TINY_PROMPTS[0])
+        gen = _prefilled(engine, options, prompt, max_tokens=400)
+        assert gen.decide([], 0).option == "draft", "in sync: no catch-up, the draft pays"
+        context = gen.run.context
+        context.extend([context[-1]] * 10)  # decoded while the draft stood by (decide reads only the lag)
+        assert gen.decide([], 0).option == "draft", "a short catch-up, paid back over 8 steps"
+        gen.run.output.extend([0] * (400 - len(gen.run.output) - 2))  # two tokens of room left
+        assert gen.decide([], 0).option == "plain", "the same catch-up with one step left to pay it back"
+        gen.run.output[:] = []
+        context.extend([context[-1]] * 90)
+        assert gen.decide([], 0).option == "plain", "100 tokens behind: the catch-up costs more than it brings"
+    finally:
+        engine.close()
+
+
+def test_a_curve_measured_too_steep_or_too_flat_is_corrected_by_what_verification_batches_take(tiny) -> None:
+    """The measured curve says a batch of 2 costs 1.6 plain steps (a fast spell while T(1) alone was timed can
+    make such a curve, and it is kept on disk for a month); verification batches keep taking 1.3. Its extra
+    cost beyond one token is scaled by what the batches took against what it predicted (decayed sums, 2 plain
+    steps of prior), so T(2)/T(1) goes to ~1.3 and a one-token lookup accepted 40% of the time, a loss on the
+    measured curve, pays on the corrected one. Batches dearer than measured make the curve steeper."""
+    curve = BatchCost(tuple(0.01 * (1.0 if k == 1 else 0.8 + 0.4 * k) for k in range(1, 17)))
+    engine = _engine(tiny, None, DeviceCost(curve, 0.0))
+    try:
+        gen = _prefilled(engine)
+        rate = 1 / 0.01
+        assert gen.costs.relative(2) == pytest.approx(1.6) and gen.costs.relative(3) == pytest.approx(2.0)
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 0, "on the measured curve: plain"
+        for _ in range(300):  # every batch of 2 took 1.3 plain steps: 0.3 extra where the curve predicted 0.6
+            engine.auto_states["greedy"].batch_scale.add(0.3, 0.6)
+        assert gen.costs.relative(2) == pytest.approx(1.3, abs=0.03)
+        assert gen.costs.relative(3) == pytest.approx(1.53, abs=0.03), "the whole curve's extra scales alike"
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 1, "on the corrected one: lookup"
+        engine.auto_states["greedy"] = AutoState(learn_timing=False)
+        gen = _prefilled(engine)
+        for _ in range(300):
+            engine.auto_states["greedy"].batch_scale.add(1.2, 0.6)  # batches of 2 took 2.2 plain steps
+        assert gen.costs.relative(2) == pytest.approx(2.2, abs=0.05)
+    finally:
+        engine.close()
+
+
+def test_real_verification_batches_feed_the_curve_correction(tiny) -> None:
+    """Learning its timing (as outside these tests), auto's lookup steps on a copying prompt are timed against
+    the curve's prediction: the correction has seen them."""
+    engine = _engine(tiny, None, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))), 0.0))
+    engine.auto_states["greedy"] = AutoState()  # learns timing
+    try:
+        prompt = _copying_prompt(engine)
+        done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48))
+        assert done.stats.steps_by_choice.get("lookup", 0) > 0
+        scale = engine.auto_states["greedy"].batch_scale
+        assert scale.predicted > 0 and scale.real != 0.0 and scale.factor() != 1.0
+    finally:
+        engine.close()
+
+
+# -- the cost cache ---------------------------------------------------------------------------------------------------
+
+def test_cost_cache_round_trip_and_staleness(tmp_path: Path) -> None:
+    cache = CostCache(tmp_path / "cost.json", max_age=100.0)
+    cost = DeviceCost(BatchCost((0.02, 0.025, 0.03)), 0.4, measured_at=1000.0)
+    cache.put("k", cost)
+    assert cache.get("k", now=1050.0) == cost
+    assert cache.get("k", now=1101.0) is None, "older than max_age: measured again"
+    assert cache.get("other", now=1050.0) is None
+    cache.put("k", None)  # forgotten
+    assert cache.get("k", now=1050.0) is None
+    (tmp_path / "cost.json").write_text("{not json")
+    assert cache.get("k") is None  # an unreadable file is an empty cache
+    cache.put("k", cost)
+    assert cache.get("k", now=1050.0) == cost
+
+
+def test_cost_key_changes_with_model_files_threads_and_build(tmp_path: Path) -> None:
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+    target.write_bytes(b"a" * 10)
+    draft.write_bytes(b"b" * 10)
+    base = cost_key(target, draft, 2, "build 1", [0])
+    assert base == cost_key(target, draft, 2, "build 1", [0])
+    assert base != cost_key(target, draft, 4, "build 1", [0]), "thread count"
+    assert base != cost_key(target, draft, 2, "build 2", [0]), "llama.cpp build"
+    assert base != cost_key(target, None, 2, "build 1", [0]), "draft model"
+    assert base != cost_key(target, draft, 2, "build 1", [99]), "layers offloaded"
+    os.utime(target, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert base != cost_key(target, draft, 2, "build 1", [0]), "a replaced model file"
+    target.write_bytes(b"a" * 11)
+    assert base != cost_key(target, draft, 2, "build 1", [0])
+
+
+def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) -> None:
+    path = tmp_path / "device-cost.json"
+    config = EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1, cost_cache=path)
+    first = Engine(config)
+    try:
+        first.target.sync(first.tokenize("the cat sat"), logits=False)
+        measured = first.device_cost(k_max=4, repeats=1)
+        assert measured is not None and len(measured.batch.seconds) == 4 and measured.draft > 0
+        assert path.exists()
+    finally:
+        first.close()
+    second = Engine(config)
+    try:
+        assert second.target.tokens == []
+        assert second.device_cost() == measured, "a new session reads it back without measuring"
+        assert second.device_cost(remeasure=True) is None, "measuring anew needs a context to measure after"
+    finally:
+        second.close()
+
+
+
+
+def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny) -> None:
+    """Alone, a batch of 2 costs 1.1 plain steps and a one-token lookup accepted 40% of the time pays. Beside 3
+    other sequences with 3 rows in all, the same row makes the batch T(5)/T(4) = 1.385 times longer for all 4
+    of them: it costs 1 + 4 x 0.385 plain steps of this sequence and does not pay. Alone again, the decision
+    is the lone one exactly."""
+    from backends.steps import BatchLoad
+
+    curve = BatchCost(tuple(0.01 * (1 + 0.1 * (k - 1) if k <= 4 else 1.3 + 0.5 * (k - 4)) for k in range(1, 17)))
+    engine = _engine(tiny, None, DeviceCost(curve, 0.0))
+    try:
+        gen = _prefilled(engine)
+        rate = 1 / 0.01
+        alone = gen.costs.relative(2)
+        assert alone == pytest.approx(1.1)
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 1, "alone: the lookup pays"
+        gen.slot.load = BatchLoad(sequences=4, rows=4)  # this one's plain row + 3
+        assert gen.costs.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1))
+        assert best_chain_length([0.4], rate, 0.01, gen.costs.relative)[0] == 0, "under load: plain"
+        assert best_chain_length([0.95] * 4, rate, 0.01, gen.costs.relative)[0] == 0, "even a likely chain on a steep curve"
+        flat_engine = _engine(tiny, None, DeviceCost(flat(), 0.0))
+        try:
+            flat_gen = _prefilled(flat_engine)
+            flat_gen.slot.load = BatchLoad(sequences=4, rows=4)
+            assert best_chain_length([0.4], rate, 0.01, flat_gen.costs.relative)[0] == 1, "rows are free: it pays"
+        finally:
+            flat_engine.close()
+        gen.slot.load = BatchLoad()
+        assert gen.costs.relative(2) == alone
+    finally:
+        engine.close()
