@@ -26,6 +26,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @dataclass(frozen=True)
 class Served:
+    """A running `specchat serve`: its process, port and log, and clients pointed at it."""
+
     proc: subprocess.Popen[str]
     port: int
     log_path: Path
@@ -51,12 +53,14 @@ class Served:
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def start_server(args: list[str], log_path: Path, threads: str = "1", timeout: float = 300) -> Served:
+    """`python -m app serve ARGS` on a free port, its output in `log_path`; returned once /health answers."""
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "app", "serve", *args, "--port", str(port), "-t", threads],
@@ -93,12 +97,14 @@ def stop_server(served: Served) -> None:
 
 
 def timings_of(obj: object) -> dict[str, object]:
+    """The llama-server-shaped `timings` an answer or chunk carries beside OpenAI's fields."""
     extra = getattr(obj, "model_extra", None) or {}
     assert "timings" in extra, obj
     return extra["timings"]
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> str:
+    """`r` is OpenAI's error shape with this status (and code, param); its message."""
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
@@ -112,5 +118,6 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None, param:
 
 
 def spec(strategy: str, **settings: object) -> dict[str, object]:
+    """A request's `speculative` field: the strategy and its settings."""
     return {"speculative": {"strategy": strategy, **settings}}
 
