@@ -20,12 +20,12 @@ from dataclasses import replace
 from typing import Callable, NoReturn, Sequence
 
 from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error, print_progress
-from app.cache_command import add_cache_parser, run_cache
+from app.commands.cache import add_cache_parser, run_cache
 from app.grammar_flags import add_grammar_flags, grammar_from_flags
 from app.loading import open_engine
-from app.models_command import add_models_parser, run_models
-from app.rpc_command import add_rpc_parser
-from app.serve_command import add_serve_parser
+from app.commands.models import add_models_parser, run_models
+from app.commands.rpc import add_rpc_parser
+from app.commands.serve import add_serve_parser
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in (None, "chat"):
-            from app.chat_command import chat
+            from app.commands.chat import chat
 
             return chat(args)
         if args.command == "models":
@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         set_native_logging(args.debug)
         if args.command == "rpc-server":
-            from app.rpc_command import run_rpc_server
+            from app.commands.rpc import run_rpc_server
 
             return run_rpc_server(args)
         if args.command == "demo":
@@ -334,11 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, args.model_draft = "demo", "demo-draft"
             return generate(args)
         if args.command == "bench":
-            from app.bench_command import bench
+            from app.commands.bench import bench
 
             return bench(args, settings_from_args(args))
         if args.command == "serve":
-            from app.serve_command import run_serve
+            from app.commands.serve import run_serve
 
             return run_serve(args, settings_from_args(args))
         return generate(args)

@@ -1,4 +1,4 @@
-"""Many sequences in one batch (backends.scheduler, backends.batch) on real llama.cpp.
+"""Many sequences in one batch (backends.scheduler, backends.slot_pool) on real llama.cpp.
 
 - At temperature 0 every request of a mixed batch (every strategy) gives the
   text it gives alone, or diverges only where the target's top two logits
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 
-from backends.batch import SlotPool
 from backends.config import LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions, TreeConfig
 from backends.engine import Engine, EngineConfig
 from backends.errors import PromptError
 from backends.events import Done, Event, StepEnd, Token
 from backends.sampling import GenParams
+from backends.slot_pool import SlotPool
 from engine_helpers import BATCH_NOISE, run_to_done, top2_gap
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PROMPT, PARAMS

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import first_difference, format_table, mismatch_lines
-from app.bench_command import build_configs
-from app.prompt_sets import BUILTIN, load_prompt_set
+from app.bench.prompts import BUILTIN, load_prompt_set
+from app.bench.solo import first_difference, format_table, mismatch_lines
+from app.commands.bench import build_configs
 from backends.config import StrategyOptions
 from backends.device_cost import BatchCost
 from backends.pricing import best_chain_speedup, expected_tokens
@@ -177,7 +177,7 @@ def test_load_bench_refuses_bad_client_lists(tiny, tmp_path: Path) -> None:
 
 def test_load_bench_requests_take_the_prompts_in_turn(tiny, tmp_path: Path) -> None:
     """`--requests 5` with 2 prompts: five requests in all (a steady load instead of one wave); the run fails
-    unless every one of them ends (app.load_bench.run_load), and ar steps one token per forward."""
+    unless every one of them ends (app.bench.load.run_load), and ar steps one token per forward."""
     r = subprocess.run(
         [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-md", str(tiny.draft), "-s", "ar,sps",
          "--clients", "2", "--requests", "5", "--repeats", "1", "--limit", "2", "-n", "12", "-t", "1",

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from app.chat_command import settings_from_flags
 from app.chat_template import ChatMessage, ChatTemplateError, render_chat
 from app.cli import build_parser
+from app.commands.chat import settings_from_flags
 from app.conversations import Conversation, ConversationStore
 from app.session import ChatSession, TurnRequest, estimated_cut, first_fitting_cut
 from app.settings import Settings, load_settings, save_settings
-from backends.engine import Engine, EngineConfig
 from backends.config import StrategyOptions, TreeConfig
+from backends.engine import Engine, EngineConfig
 from backends.events import Done, until_done
 from backends.sampling import GenParams
 from backends.strategies.lookup import LookupConfig

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from backends.engine import Engine
+from app.bench.prompts import BUILTIN
 from backends.config import StrategyOptions
+from backends.engine import Engine
 from backends.events import Token
 from backends.sampling import GenParams
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig, NgramIndex
 from backends.strategies.ngram_pool import NgramPool
-from app.prompt_sets import BUILTIN
 from engine_helpers import run_to_done
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.batch import SlotPool
 from backends.config import StrategyOptions
 from backends.engine import Engine, EngineConfig
 from backends.events import Done, Event
 from backends.prompt_cache import MIN_TOKENS, PromptCache
 from backends.sampling import GenParams
+from backends.slot_pool import SlotPool
 from serve_helpers import start_server, stop_server
 from test_batching import _leaks
 

@@ -17,10 +17,10 @@ from app.prompt_format import PromptFormat
 from app.serve.request import MAX_QUEUED, ApiError, GenRequest, from_exception
 from app.serve.responses import done_error
 from app.serve.tools import prompt_messages, tool_format
+from backends.config import PROMPT_CACHE_MIB
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
-from backends.batch import SlotPool
-from backends.config import PROMPT_CACHE_MIB
+from backends.slot_pool import SlotPool
 
 log = logging.getLogger("specchat.serve")
 
@@ -105,7 +105,7 @@ class _Running:
 class EngineWorker:
     """The one thread that runs llama.cpp: up to `parallel` requests decode together, the rest wait in order.
 
-    Each running request has a slot of the engine (backends.batch.SlotPool:
+    Each running request has a slot of the engine (backends.slot_pool.SlotPool:
     its own sequence ids and cells, the free slot whose cache holds the
     longest prefix of its prompt); their strategies' rows go into one batch
     per step. A request joins at the next step after a slot frees, in arrival

@@ -35,13 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.bench import BenchConfig  # noqa: E402
-from app.bench import _run as run_config  # noqa: E402
-from app.bench_command import bench_tokens  # noqa: E402
+from app.bench.prompts import load_prompt_set  # noqa: E402
+from app.bench.solo import BenchConfig  # noqa: E402
+from app.bench.solo import _run as run_config  # noqa: E402
 from app.cli import build_parser, settings_from_args  # noqa: E402
+from app.commands.bench import bench_tokens  # noqa: E402
 from app.loading import open_engine  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
-from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
 from backends.strategies.auto.state import AutoState, sampling_mode  # noqa: E402
 

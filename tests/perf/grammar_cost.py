@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import llama_cpp  # noqa: E402
 from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: E402
 
+from app.bench.prompts import load_prompt_set  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
-from app.prompt_sets import load_prompt_set  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
 from backends.grammar import compile_grammar  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402

@@ -55,9 +55,9 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from app.bench.prompts import load_prompt_set  # noqa: E402
 from app.chat_template import ChatMessage, ToolCall  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
-from app.prompt_sets import load_prompt_set  # noqa: E402
 from app.serve.tools import Tool, ToolChoice, grammar_for, prompt_messages, tool_format  # noqa: E402
 from backends.config import StrategyOptions  # noqa: E402
 from backends.engine import LEARNT_FILE, Engine, EngineConfig  # noqa: E402

@@ -254,7 +254,7 @@ def main() -> int:
     strategies = args.strategies.split(",") if args.strategies else ["ar", "sps"] + (["auto"] if has_auto() else [])
     prompts = [("story", STORY)]
     if args.prompts == "builtin":
-        from app.prompt_sets import load_prompt_set
+        from app.bench.prompts import load_prompt_set
         prompts = [(p.category, p.text) for p in load_prompt_set("builtin")]
     rtts = [float(r) for r in args.rtt.split(",")]
     # The demo pair is built (once) outside the namespaces, before anything is timed.

@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from app.prompt_sets import load_prompt_set  # noqa: E402
+from app.bench.prompts import load_prompt_set  # noqa: E402
 
 LONG_TEXT = ("The committee met on a grey morning to review the harbour's records, ledger by ledger: arrivals, "
              "cargo, tolls paid and owed, the names of the pilots who brought each ship in, and the weather. ")

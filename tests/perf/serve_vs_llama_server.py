@@ -44,7 +44,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.prompt_sets import load_prompt_set  # noqa: E402
+from app.bench.prompts import load_prompt_set  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 MODEL_ID = ["model"]  # the target file's stem: specchat serve's model id (llama-server takes any)

@@ -152,9 +152,9 @@ def memory_acceptance() -> Acceptance:
 
 def sampling_mode(params: GenParams) -> str:
     """Which of an engine's learnt states a generation uses: "greedy" or "sampled". Acceptance differs most
-    between them (on the Gemma pair the draft pays 1.9x greedy and loses at 0.8), so each learns its own:
-    one-off runs at 0.8 that started from a state learnt greedily ran at 1.02x and 1.08x `ar` in two
-    measurements, from one learnt at 0.8 at 1.07x and 1.28x (tests/perf/auto_kept.py modes)."""
+    between them (a draft can pay greedy and lose when sampling), so each learns its own: runs at 0.8 that
+    started from a state learnt greedily were slower than from one learnt at 0.8 (docs/results.md, "Figures
+    behind design choices"; tests/perf/auto_kept.py modes)."""
     return "greedy" if params.greedy else "sampled"
 
 
@@ -199,9 +199,8 @@ class AutoState:
     learn_timing: bool = True
 
     # Kept between sessions (Learnt.keep), so that a new one, or a one-off `specchat run`, does not pay
-    # the first tries again: without it, 128-token runs at temperature 0.8 on the instruct pair spent 16% of
-    # their steps trying options and ran at 0.96x plain decoding (geometric mean over the chat prompts; 0.87x
-    # on the worst), where the state kept from earlier runs gave 1.08x. `since` is of this session (a new one
+    # the first tries again: short runs that start from nothing spend a large share of their steps trying
+    # options (docs/results.md, "Figures behind design choices"). `since` is of this session (a new one
     # waits a full interval before its first try); `learn_timing` is a setting, not learnt.
     NOT_KEPT = ("since", "learn_timing")
     # What the keys of the estimates mean: state kept under other bins starts afresh.

@@ -2,7 +2,7 @@
 
 C clients each send the prompt set's requests one after another (a closed
 loop, as a chat window, an editor and a script would), so at most C requests
-decode at once, in one batch per step (backends.batch.SlotPool, the server's
+decode at once, in one batch per step (backends.slot_pool.SlotPool, the server's
 own scheduler, in process: no HTTP in the figures). For each client count and
 each configuration (`ar` is plain batched decoding, the baseline), the run
 reports the aggregate tokens per second (all output tokens over the wall
@@ -35,11 +35,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.bench import BenchConfig
-from backends.batch import SlotPool
+from app.bench.solo import BenchConfig
 from backends.engine import Engine
 from backends.events import Done, Event, Prefilled, Token
 from backends.sampling import GenParams
+from backends.slot_pool import SlotPool
 
 
 @dataclass

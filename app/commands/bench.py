@@ -1,4 +1,4 @@
-"""`specchat bench`: builds the configurations, runs app.bench, writes the table, JSON and PNG."""
+"""`specchat bench`: builds the configurations, runs app.bench.solo, writes the table, JSON and PNG."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import platform
 import sys
 from dataclasses import replace
 from pathlib import Path
-from app.bench import BenchConfig, format_table, measure_costs, mismatch_lines, prompt_grammars, run_bench
-from app.errors import print_progress
-from app.bench_plot import write_load_plot, write_plot
+from app.bench.plot import write_load_plot, write_plot
+from app.bench.prompts import BenchPrompt, load_prompt_set
+from app.bench.solo import BenchConfig, format_table, measure_costs, mismatch_lines, prompt_grammars, run_bench
 from app.chat_template import ChatMessage
+from app.errors import print_progress
 from app.loading import open_engine
 from app.prompt_format import PromptFormat
-from app.prompt_sets import BenchPrompt, load_prompt_set
 from app.settings import Settings
 from backends.config import StrategyOptions
-from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec, strategy_label
 from backends.llama import default_threads
+from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed, spec, strategy_label
 
 CONTROL_LABEL = "ar (control)"
 
@@ -168,8 +168,8 @@ def parse_clients(text: str) -> list[int]:
 
 def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[BenchPrompt],
                configs: list[BenchConfig]) -> int:
-    """`specchat bench --clients`: app.load_bench's table, bench.json and bench.png."""
-    from app.load_bench import format_load_table, run_load_bench
+    """`specchat bench --clients`: app.bench.load's table, bench.json and bench.png."""
+    from app.bench.load import format_load_table, run_load_bench
     from backends.llama import max_sequences
 
     clients = parse_clients(args.clients)

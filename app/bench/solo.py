@@ -21,8 +21,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from app.bench.prompts import BenchPrompt
 from app.errors import UserError
-from app.prompt_sets import BenchPrompt
 from backends.config import StrategyOptions
 from backends.device_cost import BatchCost
 from backends.engine import Engine

@@ -22,9 +22,9 @@ from models.compat import PairCheck, check_pair
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
 from models.hub import Progress, pull
+from models.local import drafts_for, local_models
 from models.paths import data_dir
 from models.resolve import hub_models, model_header, resolve_model
-from models.local import drafts_for, local_models
 from models.store import ModelStore, StoredModel
 
 EXIT_INCOMPATIBLE = 1
