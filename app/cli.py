@@ -19,20 +19,20 @@ import threading
 from dataclasses import replace
 from typing import Callable, NoReturn, Sequence
 
-from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error, print_progress
 from app.commands.cache import add_cache_parser, run_cache
-from app.grammar_flags import add_grammar_flags, grammar_from_flags
-from app.loading import open_engine
 from app.commands.models import add_models_parser, run_models
 from app.commands.rpc import add_rpc_parser
 from app.commands.serve import add_serve_parser
+from app.errors import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USER, UserError, describe, is_user_error, print_error, print_progress
+from app.grammar_flags import add_grammar_flags, grammar_from_flags
+from app.loading import open_engine
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
 from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
-from backends.config import SUFFIX_CACHE_TOKENS, StrategyOptions
+from backends.config import MEMORY_TOKENS, StrategyOptions
+from backends.events import Done
 from backends.registry import DEFAULT_STRATEGY, REGISTRY, n_seq_needed, require_draft
 from backends.settings_schema import Knob, flag_default, parse_text, strategy_flags
-from backends.events import Done
 
 DEMO_PROMPT = "Once upon a time, in a small village,"
 
@@ -52,10 +52,10 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     g.add_argument("--seed", type=_seed, default=None, help="random seed for sampling; -1 = random (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s_mem = p.add_argument_group("speculation memory")
-    s_mem.add_argument("--no-suffix-cache", dest="suffix_cache", action="store_false", default=None,
+    s_mem.add_argument("--no-memory", "--no-suffix-cache", dest="memory", action="store_false", default=None,
                        help="neither consult nor update the speculation memory of earlier outputs")
-    s_mem.add_argument("--suffix-cache-size", type=int, default=None, metavar="TOKENS",
-                       help=f"the speculation memory's bound in tokens (default: {SUFFIX_CACHE_TOKENS:,}); the "
+    s_mem.add_argument("--memory-size", "--suffix-cache-size", type=int, default=None, metavar="TOKENS",
+                       help=f"the speculation memory's bound in tokens (default: {MEMORY_TOKENS:,}); the "
                             "least recently used texts go first")
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="never end at an end-of-generation token: exactly -n tokens (for benchmarks)")
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default="builtin",
                        help="builtin, chat (instruct requests), extract (JSON extraction, each answer under its "
                             "schema), humaneval, or a JSONL file (default: builtin)")
-    bench.add_argument("--suffix-cache", action="store_true",
+    bench.add_argument("--memory", "--suffix-cache", dest="memory", action="store_true",
                        help="use and update the speculation memory (off by default: the bench's runs would "
                             "otherwise speed each other up, and its texts would stay in your memory)")
     bench.add_argument("--unmasked-drafts", action="store_true",

@@ -44,5 +44,5 @@ def open_engine(settings: Settings, n_seq_max: int, progress: Callable[[str], No
         target=target, draft=draft, n_ctx=settings.n_ctx, n_batch=settings.n_batch, threads=settings.threads,
         n_gpu_layers=settings.n_gpu_layers, n_gpu_layers_draft=settings.n_gpu_layers_draft, rpc=settings.rpc,
         n_seq_max=n_seq_max, n_parallel=n_parallel,
-        suffix_cache=settings.suffix_cache, suffix_cache_size=settings.suffix_cache_size,
+        memory=settings.memory, memory_size=settings.memory_size,
     ))

@@ -17,7 +17,7 @@ from typing import Any, Mapping, TypeVar
 
 import platformdirs
 
-from backends.config import SUFFIX_CACHE_TOKENS, StrategyOptions
+from backends.config import MEMORY_TOKENS, StrategyOptions
 from backends.registry import DEFAULT_STRATEGY, STRATEGIES
 from backends.sampling import GenParams
 from backends.settings_schema import Knob, json_value, setting_of, strategy_flags
@@ -25,7 +25,7 @@ from models.files import write_atomic
 
 SETTINGS_FILE = "settings.json"
 # Version 2: chat samples with llama.cpp's defaults and runs `auto` (version 1 files carry greedy and sps).
-SETTINGS_VERSION = 2
+SETTINGS_VERSION = 3
 # Chat turns are longer than a one-shot completion's default.
 CHAT_MAX_TOKENS = 512
 # llama.cpp's sampling defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05): small models loop under greedy.
@@ -53,8 +53,8 @@ class Settings:
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target (HOST:PORT each)
-    suffix_cache: bool = True  # the speculation memory (backends.suffix): consulted and updated
-    suffix_cache_size: int = SUFFIX_CACHE_TOKENS  # its bound, in tokens
+    memory: bool = True  # the speculation memory (backends.memory): consulted and updated
+    memory_size: int = MEMORY_TOKENS  # its bound, in tokens
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -63,8 +63,8 @@ class Settings:
             raise ValueError("the context size must be at least 16 tokens")
         if self.n_batch < 1:
             raise ValueError("the batch size (-b) must be at least 1")
-        if self.suffix_cache_size < 1000:
-            raise ValueError("--suffix-cache-size must be at least 1000 tokens")
+        if self.memory_size < 1000:
+            raise ValueError("--memory-size must be at least 1000 tokens")
         if self.threads is not None and self.threads < 1:
             raise ValueError("the thread count (-t) must be at least 1")
 
@@ -113,8 +113,8 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "seed": ("params.seed",),
     "stop": ("params.stop",),
     "ignore_eos": ("params.ignore_eos",),
-    "suffix_cache": ("suffix_cache",),
-    "suffix_cache_size": ("suffix_cache_size",),
+    "memory": ("memory",),
+    "memory_size": ("memory_size",),
     "ctx_size": ("n_ctx",),
     "batch_size": ("n_batch",),
     "threads": ("threads",),
@@ -193,7 +193,8 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
 
     Version 1 (no "version" key) saved every field, so its greedy temperature
     and its `sps` strategy were the old defaults rather than choices: they
-    become today's (llama.cpp's sampling, `auto`).
+    become today's (llama.cpp's sampling, `auto`). Versions 1 and 2 called the
+    speculation memory `suffix_cache` (and its bound `suffix_cache_size`).
     """
     data = dict(data)
     version = data.pop("version", 1)
@@ -202,7 +203,15 @@ def _migrate(data: dict[str, Any]) -> dict[str, Any]:
             data["params"] = {**data["params"], "temperature": CHAT_TEMPERATURE}
         if data.get("strategy") == "sps":
             data["strategy"] = DEFAULT_STRATEGY
+    if version < 3:
+        data = _renamed(data, {"suffix_cache": "memory", "suffix_cache_size": "memory_size"})
+        if isinstance(data.get("options"), dict):
+            data["options"] = _renamed(data["options"], {"suffix_cache": "memory"})
     return data
+
+
+def _renamed(data: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {names.get(key, key): value for key, value in data.items()}
 
 
 def load_settings(path: Path | None = None, defaults: Settings | None = None) -> tuple[Settings, str | None]:

@@ -151,7 +151,7 @@ class AutoConfig:
 
     draft: bool = True  # the draft-model chain (when a draft model is loaded)
     lookup: bool = True  # prompt lookup
-    memory: bool = True  # continuations from the speculation memory (backends.suffix), when it is on
+    memory: bool = True  # continuations from the speculation memory (backends.memory), when it is on
     lookahead: bool = True  # lookahead's window and n-gram pool (uses the lookahead settings)
     # most of the time spent trying options the estimates call worse
     explore_budget: float = setting(0.01, range=Range(0.0, 0.2))
@@ -165,9 +165,9 @@ class AutoConfig:
         check_fields(self, "auto")
 
 
-# The speculation memory's bound, in tokens (backends.suffix; docs/results.md, "Speculation memory": its size
+# The speculation memory's bound, in tokens (backends.memory; docs/results.md, "Speculation memory": its size
 # on disk, load time and cost per step at this bound).
-SUFFIX_CACHE_TOKENS = 500_000
+MEMORY_TOKENS = 500_000
 
 # MiB of RAM the server's prompt cache may hold by default (backends.prompt_cache; llama-server's --cache-ram is
 # 8192, but a laptop that runs the chat app beside the server has less to spare: 2 GiB holds 90,000 tokens of
@@ -196,7 +196,7 @@ class SuffixConfig:
 @dataclass(frozen=True)
 class StrategyOptions:
     """Settings of every strategy; each takes its own part, the section named after it (a request's
-    `speculative` object sets the fields of its strategy's section). `suffix_cache` False: this generation
+    `speculative` object sets the fields of its strategy's section). `memory` False: this generation
     neither consults nor updates the speculation memory (a request that must not be remembered)."""
 
     sps: SpsConfig = field(default_factory=SpsConfig)
@@ -205,4 +205,4 @@ class StrategyOptions:
     tree: TreeConfig = field(default_factory=TreeConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
-    suffix_cache: bool = True
+    memory: bool = True

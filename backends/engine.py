@@ -22,15 +22,15 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from backends.config import AUTO_K_MAX, SUFFIX_CACHE_TOKENS, StrategyOptions
+from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
+from backends.memory import SpeculationMemory
+from backends.memory_file import memory_file, memory_dir
 from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
-from backends.suffix import SuffixStore
-from backends.suffix_file import memory_file, suffix_cache_dir
 from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
 from models.errors import ModelError
@@ -59,16 +59,16 @@ class EngineConfig:
     # Where measured device costs are kept between sessions; None: the data dir's, "" : not kept. What
     # strategies learnt (auto's estimates) is kept beside it, in LEARNT_FILE, or not at all.
     cost_cache: Path | None = None
-    # The speculation memory (backends.suffix): kept and consulted, or not at all (--no-suffix-cache).
-    suffix_cache: bool = True
-    # Its folder (one file per vocabulary); None: $SPECCHAT_SUFFIX_CACHE, else the data dir's. Its bound, in tokens.
-    suffix_cache_dir: Path | None = None
-    suffix_cache_size: int = SUFFIX_CACHE_TOKENS
+    # The speculation memory (backends.memory): kept and consulted, or not at all (--no-memory).
+    memory: bool = True
+    # Its folder (one file per vocabulary); None: $SPECCHAT_MEMORY_DIR, else the data dir's. Its bound, in tokens.
+    memory_dir: Path | None = None
+    memory_size: int = MEMORY_TOKENS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.suffix_cache, bool):  # the folder was once given here: say where it goes now
-            raise TypeError(f"EngineConfig.suffix_cache is on or off, got {self.suffix_cache!r}; a folder for the "
-                            "speculation memory is suffix_cache_dir")
+        if not isinstance(self.memory, bool):  # the folder was once given here: say where it goes now
+            raise TypeError(f"EngineConfig.memory is on or off, got {self.memory!r}; a folder for the "
+                            "speculation memory is memory_dir")
 
 
 def cost_cache_path(configured: Path | None) -> Path | None:
@@ -125,8 +125,8 @@ class Engine:
         # conversation and between sessions (LEARNT_FILE).
         self.learnt = Learnt(JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None),
                              lambda: self._cost_key)
-        self._memory: SuffixStore | None = None
-        self._memory_dir = suffix_cache_dir(config.suffix_cache_dir) if config.suffix_cache else None
+        self._memory: SpeculationMemory | None = None
+        self._memory_dir = memory_dir(config.memory_dir) if config.memory else None
         per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
         self.slots: list[Slot] = []
         for i in range(n_par):
@@ -162,17 +162,17 @@ class Engine:
         """The named strategy on one of this engine's slots (backends.registry). With the speculation memory
         on (and the options not refusing it), what it generates is remembered (Remembering)."""
         strategy = spec(name).build(self.slots[slot], options)
-        memory = self.memory() if options.suffix_cache else None
+        memory = self.memory() if options.memory else None
         return Remembering(strategy, memory) if memory is not None else strategy
 
     # -- the speculation memory -------------------------------------------------
 
-    def memory(self) -> SuffixStore | None:
-        """This vocabulary's speculation memory (backends.suffix), opened on first use; None when off."""
+    def memory(self) -> SpeculationMemory | None:
+        """This vocabulary's speculation memory (backends.memory), opened on first use; None when off."""
         if self._memory is None and self._memory_dir is not None:
             model = self.target_model
-            self._memory = SuffixStore(memory_file(self._memory_dir, model.vocab_hash), model.vocab_hash,
-                                       model.n_vocab, self.config.suffix_cache_size,
+            self._memory = SpeculationMemory(memory_file(self._memory_dir, model.vocab_hash), model.vocab_hash,
+                                       model.n_vocab, self.config.memory_size,
                                        warn=lambda m: print(f"specchat: warning: {m}", file=sys.stderr, flush=True))
         return self._memory
 

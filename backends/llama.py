@@ -267,7 +267,7 @@ class LlamaModel:
     @functools.cached_property
     def vocab_hash(self) -> bytes:
         """SHA-256 of the vocabulary (every token's text and attributes): models that share it share a
-        speculation memory (backends.suffix)."""
+        speculation memory (backends.memory)."""
         import hashlib
 
         h = hashlib.sha256(str(self.n_vocab).encode())

@@ -90,7 +90,7 @@ def _build_tree(slot: "Slot", o: StrategyOptions) -> "Strategy":
 def _build_suffix(slot: "Slot", o: StrategyOptions) -> "Strategy":
     from backends.strategies.suffix import SuffixSpeculation
 
-    return SuffixSpeculation(slot.target, slot.memory() if o.suffix_cache else None, o.suffix)
+    return SuffixSpeculation(slot.target, slot.memory() if o.memory else None, o.suffix)
 
 
 def _build_auto(slot: "Slot", o: StrategyOptions) -> "Strategy":
@@ -133,7 +133,7 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
                 "from measured cost and live acceptance",
         needs_draft=False, build=_build_auto, label=_auto_label,
         n_seq=lambda o: max(o.lookahead.n_seq_max if o.auto.lookahead else 1,
-                            o.auto.memory_paths + 1 if o.auto.memory and o.suffix_cache else 1), uses_draft=True,
+                            o.auto.memory_paths + 1 if o.auto.memory and o.memory else 1), uses_draft=True,
         sweep=lambda o: _grid(o, "auto", [{"draft": False}, {"lookup": False}, {"lookahead": False},
                                           {"draft_max": 6}]),
     ),
@@ -157,7 +157,7 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec(
         "suffix", "token trees from the speculation memory of earlier outputs and the request (SuffixDecoding)",
         needs_draft=False, build=_build_suffix, n_seq=lambda o: o.suffix.n_seq_max,
-        label=lambda o: f"suffix D={o.suffix.depth} M={o.suffix.max_nodes}" + ("" if o.suffix_cache else " no memory"),
+        label=lambda o: f"suffix D={o.suffix.depth} M={o.suffix.max_nodes}" + ("" if o.memory else " no memory"),
         sweep=lambda o: _grid(o, "suffix", [{"max_nodes": m, "factor": f} for m, f in ((8, 1.0), (24, 4.0), (48, 4.0))]),
     ),
     StrategySpec(

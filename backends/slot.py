@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from backends.device_cost import DeviceCost
 from backends.kv import KvSequence
+from backends.memory import SpeculationMemory
 from backends.steps import BatchLoad
 from backends.store import JsonStore
-from backends.suffix import SuffixStore
 
 
 class Learnt:
@@ -58,8 +58,8 @@ class Slot:
     device_cost: Callable[[], DeviceCost | None]
     learnt: Learnt
     load: BatchLoad = field(default_factory=BatchLoad)
-    # The speculation memory of this vocabulary (backends.suffix), opened on first use; None when it is off.
-    memory: Callable[[], SuffixStore | None] = lambda: None
+    # The speculation memory of this vocabulary (backends.memory), opened on first use; None when it is off.
+    memory: Callable[[], SpeculationMemory | None] = lambda: None
 
     def reset(self) -> None:
         """Empty this slot's caches, the target's and the draft's (another slot's cells stay)."""

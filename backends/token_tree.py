@@ -8,7 +8,7 @@ tree varies: EAGLE-2's dynamic draft tree (Li et al. 2024, section 4) keeps
 the nodes of highest cumulative draft confidence (backends.strategies.tree);
 SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975) merges what followed
 earlier occurrences of the context into a tree whose nodes carry the share of
-occurrences through them (backends.suffix, backends.strategies.suffix);
+occurrences through them (backends.memory, backends.strategies.suffix);
 `auto` merges the memory's tree with prompt lookup's chain and prices each
 node (backends.strategies.auto.proposals). All of them keep a subset of the
 nodes, walk a node's path to the root, and ask for a node's children and the

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Measured device costs stay out of the user's data dir (and out of other tests): each engine measures its own.
 os.environ["SPECCHAT_COST_CACHE"] = ""
 # The speculation memory too: tests that need one give it a folder of their own.
-os.environ["SPECCHAT_SUFFIX_CACHE"] = ""
+os.environ["SPECCHAT_MEMORY_DIR"] = ""
 
 from gguf_factory import TinyModel, spm_vocab, write_llama_gguf  # noqa: E402
 

@@ -397,7 +397,7 @@ def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) ->
     them (several paths per step) at temperature 1, and the law of the first two tokens is the target's
     (chi-square, alpha ALPHA)."""
     engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32, cost_cache=Path(""),
-                                 suffix_cache_dir=tmp_path / "memory"))
+                                 memory_dir=tmp_path / "memory"))
     engine._cost = DeviceCost(flat(), 0.0)
     engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
     try:

@@ -9,10 +9,10 @@ from typing import Callable, Sequence
 
 import pytest
 
+from backends.memory import Continuations
 from backends.pricing import Priced, best_subtree, path_reach
 from backends.strategies.auto.decide import best_chain_length
 from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
-from backends.suffix import Continuations
 from backends.token_tree import EMPTY, TokenTree
 
 RATE, T_PLAIN = 50.0, 0.02

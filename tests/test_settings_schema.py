@@ -152,7 +152,7 @@ def test_every_declared_field_shows_up_on_its_surfaces(knob: Knob, tmp_path: Pat
 
 def test_the_walk_sees_every_section_and_field() -> None:
     options = StrategyOptions()
-    sections = [f.name for f in fields(options) if f.name != "suffix_cache"]
+    sections = [f.name for f in fields(options) if f.name != "memory"]
     assert sections == ["sps", "lookahead", "lookup", "tree", "auto", "suffix"]
     assert {k.path for k in knobs(options)} == {f"{s}.{f.name}" for s in sections for f in fields(getattr(options, s))}
 
@@ -203,16 +203,23 @@ def test_an_old_settings_file_still_loads(tmp_path: Path) -> None:
                                 "p_min": 0.3},
                        "auto": {"draft": True, "lookup": False, "memory": True, "lookahead": True,
                                 "explore_budget": 0.02, "draft_max": 10, "memory_paths": 4},
-                       "suffix": {"depth": 12, "max_nodes": 20, "factor": 2, "min_prob": 0.2}, "suffix_cache": True},
+                       "suffix": {"depth": 12, "max_nodes": 20, "factor": 2, "min_prob": 0.2},
+                       "suffix_cache": False},
            "suffix_cache": False, "suffix_cache_size": 200000}
     (tmp_path / "s.json").write_text(json.dumps(old))
     settings, warning = load_settings(tmp_path / "s.json")
     assert warning is None
     assert settings.options.tree.nodes == "auto" and settings.options.lookahead.seed_pool_from_prompt
-    assert settings.options.suffix.factor == 2.0 and settings.suffix_cache is False
+    assert settings.options.suffix.factor == 2.0
+    assert settings.memory is False and settings.memory_size == 200000 and settings.options.memory is False, \
+        "the memory's settings under their earlier name"
     save_settings(settings, tmp_path / "again.json")
     again = json.loads((tmp_path / "again.json").read_text())
-    assert {key: again[key] for key in old} == old, "written back in the same shape"
+    today = {**{k: v for k, v in old.items() if not k.startswith("suffix_cache")}, "version": 3,
+             "memory": False, "memory_size": 200000}
+    today["options"] = {**{k: v for k, v in old["options"].items() if k != "suffix_cache"}, "memory": False}
+    assert {key: again[key] for key in today} == today, "written back in today's shape, the same values"
+    assert "suffix_cache" not in again and "suffix_cache" not in again["options"]
 
 
 # -- declared in one place, shown on all four ----------------------------------------------------------------------

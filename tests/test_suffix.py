@@ -1,4 +1,4 @@
-"""The speculation memory: its store on disk (backends.suffix) and the strategies that draft from it.
+"""The speculation memory: its store on disk (backends.memory) and the strategies that draft from it.
 
 The store is tested with real files (crashes are real kill -9s, corrupt files
 real bytes); `suffix` and `auto` on real llama.cpp: greedy output equal to
@@ -24,10 +24,10 @@ import pytest
 
 from backends.config import StrategyOptions, SuffixConfig
 from backends.engine import Engine, EngineConfig
+from backends.memory import Continuations, SpeculationMemory, merge_continuations
+from backends.memory_file import MemoryFile, describe_file
 from backends.sampling import GenParams
 from backends.strategies.suffix import prune_by_grammar, shaped
-from backends.suffix import Continuations, SuffixStore, merge_continuations
-from backends.suffix_file import SuffixFile, describe_file
 from backends.token_tree import TokenTree
 from engine_helpers import remember_continuations, run_to_done
 from stats_helpers import ALPHA, fits_law, outcome, target_law
@@ -36,8 +36,8 @@ HASH = bytes(range(32))
 N_VOCAB = 300
 
 
-def _store(path: Path | None, **kw) -> SuffixStore:
-    return SuffixStore(path, HASH, N_VOCAB, **kw)
+def _store(path: Path | None, **kw) -> SpeculationMemory:
+    return SpeculationMemory(path, HASH, N_VOCAB, **kw)
 
 
 def _likeliest(found: Continuations, limit: int) -> list[int]:
@@ -91,8 +91,8 @@ def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
     path = tmp_path / "m.bin"
     writer = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from backends.suffix_file import SuffixFile\n"
-        "f = SuffixFile(__import__('pathlib').Path(%r), bytes(range(32)), 300)\n"
+        "from backends.memory_file import MemoryFile\n"
+        "f = MemoryFile(__import__('pathlib').Path(%r), bytes(range(32)), 300)\n"
         "i = 0\n"
         "while True:\n"
         "    f.append([[(i + j) %% 300 for j in range(4000)]]); i += 1\n"
@@ -102,7 +102,7 @@ def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        docs, _cut = SuffixFile(path, HASH, N_VOCAB).read()
+        docs, _cut = MemoryFile(path, HASH, N_VOCAB).read()
         assert docs and all(len(d) == 4000 for d in docs)
         assert _store(path).stats()["documents"] >= 1
         path.unlink()
@@ -124,7 +124,7 @@ def test_a_damaged_or_foreign_file_is_set_aside_with_one_line(tmp_path: Path, da
     elif damage == "other vocabulary":
         data[12] ^= 0xFF  # a byte of the vocabulary hash
     elif damage == "bad token ids":
-        data = bytearray(SuffixFile(path, HASH, N_VOCAB).header() + SuffixFile.record([5, 10_000, 6]))
+        data = bytearray(MemoryFile(path, HASH, N_VOCAB).header() + MemoryFile.record([5, 10_000, 6]))
     else:
         data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -200,7 +200,7 @@ def test_the_grammar_cuts_a_refused_node_with_its_subtree() -> None:
 @pytest.fixture()
 def memory_engine(tiny, tmp_path: Path) -> Engine:
     engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=1024, threads=1, n_seq_max=32,
-                                 suffix_cache_dir=tmp_path / "memory"))
+                                 memory_dir=tmp_path / "memory"))
     yield engine
     engine.close()
 
@@ -221,7 +221,7 @@ def test_suffix_and_auto_with_a_warm_memory_give_ars_greedy_output(memory_engine
 
 def test_a_request_that_must_not_be_remembered_neither_reads_nor_writes(memory_engine: Engine) -> None:
     prompt = memory_engine.tokenize("hello world and the house")
-    off = StrategyOptions(suffix_cache=False)
+    off = StrategyOptions(memory=False)
     first = run_to_done(memory_engine, "suffix", prompt, GenParams(max_tokens=40), off)
     memory = memory_engine.memory()
     assert memory is not None and memory.stats()["documents"] == 0
@@ -236,13 +236,13 @@ def test_suffix_trees_keep_the_target_law(tiny, tmp_path: Path, strategy: str) -
     """With a memory that holds several continuations of the prompt, trees are proposed and verified; the
     output's law is the target's (chi-square at alpha 1e-4 on the 15-token vocabulary)."""
     engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32,
-                                 suffix_cache_dir=tmp_path / "memory"))
+                                 memory_dir=tmp_path / "memory"))
     try:
         prompt = [1, 4, 6, 8]
         remember_continuations(engine, [4, 6, 8], seed=1)
         params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         law = target_law(engine, prompt, params)
-        options = StrategyOptions(suffix=SuffixConfig(min_prob=0.0, factor=8.0), suffix_cache=True)
+        options = StrategyOptions(suffix=SuffixConfig(min_prob=0.0, factor=8.0), memory=True)
         counts: dict[tuple[int, ...], int] = {}
         drafted = 0
         strat = engine.strategy(strategy, replace(options))
@@ -263,7 +263,7 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(tiny, tmp_path: Path) -> None:
-    env = {**os.environ, "SPECCHAT_SUFFIX_CACHE": str(tmp_path / "memory")}
+    env = {**os.environ, "SPECCHAT_MEMORY_DIR": str(tmp_path / "memory")}
     args = ["run", "the cat sat on the mat", "-m", str(tiny.target), "-s", "suffix", "-n", "60", "--temp", "0",
             "-t", "1", "--json"]
     first = _run(args, env)
@@ -275,7 +275,7 @@ def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(ti
     stats = _run(["cache", "stats", "--json"], env)
     info = json.loads(stats.stdout.splitlines()[0])
     assert info["documents"] == 1 and info["tokens"] > 60 and info["accepted"] > 0
-    no = _run([*args[:-1], "--no-suffix-cache", "--json"], env)
+    no = _run([*args[:-1], "--no-memory", "--json"], env)
     # Without the memory, suffix drafts from the request alone: as the first run did, with an empty memory.
     assert json.loads(no.stdout.strip().splitlines()[-1])["stats"]["tokens_by_source"] == \
         done1["stats"]["tokens_by_source"]

@@ -59,7 +59,7 @@ def bench_tokens(fmt: PromptFormat, prompts: list[BenchPrompt], raw: bool, syste
 
 
 def bench(args: argparse.Namespace, settings: Settings) -> int:
-    settings = replace(settings, suffix_cache=bool(args.suffix_cache) and settings.suffix_cache is not False)
+    settings = replace(settings, memory=bool(args.memory) and settings.memory is not False)
     params, options = settings.params, settings.options
     if args.raw and settings.system_prompt:
         raise ValueError("--system needs the chat template; it cannot go with --raw")

@@ -1,8 +1,8 @@
 """`specchat cache stats` and `specchat cache clear`: the speculation memory, seen and emptied by its owner.
 
-The memory (backends.suffix) keeps the ends of earlier prompts and their
+The memory (backends.memory) keeps the ends of earlier prompts and their
 outputs, one file per vocabulary, in the data dir's `suffix/` folder (or
-$SPECCHAT_SUFFIX_CACHE). `stats` reads the files without loading a model:
+$SPECCHAT_MEMORY_DIR). `stats` reads the files without loading a model:
 documents, tokens, size on disk, and what the memory's proposals did (hit
 rate: lookups that found a continuation; acceptance: proposed tokens the
 target accepted). `clear` deletes them (all, or the file named).
@@ -28,17 +28,17 @@ def add_cache_parser(sub: argparse._SubParsersAction, parser_class: type) -> Non
 
 
 def _folder() -> Path | None:
-    from backends.suffix_file import suffix_cache_dir
+    from backends.memory_file import memory_dir
 
-    return suffix_cache_dir(None)
+    return memory_dir(None)
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from backends.suffix_file import counters_path, describe_file, memory_files
+    from backends.memory_file import counters_path, describe_file, memory_files
 
     folder = _folder()
     if folder is None:
-        raise UserError("the speculation memory is off ($SPECCHAT_SUFFIX_CACHE is empty)")
+        raise UserError("the speculation memory is off ($SPECCHAT_MEMORY_DIR is empty)")
     files = memory_files(folder)
     if args.cache_command == "stats":
         if not files:

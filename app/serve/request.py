@@ -16,8 +16,8 @@ from typing import Any, Literal, Mapping
 from starlette.responses import JSONResponse
 
 from app.chat_template import ChatMessage, ToolCall
-from app.serve.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from app.errors import describe, is_user_error
+from app.serve.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
 from backends.registry import NEEDS_DRAFT, STRATEGIES, n_seq_needed
@@ -27,6 +27,7 @@ from backends.settings_schema import Knob, json_value, knobs, strategy_flags
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long conversation fits many times over
 MAX_QUEUED = 64  # requests waiting for the engine; more are refused with 503
 N_SEQ_MAX = 64  # sequence ids of the engine's contexts: every strategy's settings fit (kv_unified: no extra memory)
+MEMORY_KEY = "suffix_cache"  # a request's own switch for the speculation memory (speculation())
 
 Endpoint = Literal["chat", "text"]
 
@@ -267,7 +268,7 @@ def _typed(knob: Knob, value: Any, name: str) -> Any:
 
 
 def speculative_keys(options: StrategyOptions) -> tuple[dict[str, tuple[Knob, ...]], dict[str, dict[str, Knob]]]:
-    """What a `speculative` object may set besides `strategy` and `suffix_cache`: llama-server's names for the
+    """What a `speculative` object may set besides `strategy` and MEMORY_KEY: llama-server's names for the
     fan-out flags (n_max: --draft-max, p_min: --draft-p-min) with the fields each sets, and each strategy's
     section fields by name."""
     shared = {flag.request_key: ks for flag, ks in strategy_flags(options) if flag.request_key is not None}
@@ -282,9 +283,11 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
     """The strategy and its settings for one request, over the server's defaults (the CLI flags)."""
     spec = _speculative_fields(body)
     strategy = spec.pop("strategy", None)
-    remember = spec.pop("suffix_cache", True)
+    # The request's own switch for the speculation memory (neither consulted nor updated); its key keeps the
+    # name clients have sent since the memory came (`memory` is auto's own switch, in auto's section).
+    remember = spec.pop(MEMORY_KEY, True)
     if not isinstance(remember, bool):
-        raise bad("'speculative.suffix_cache' must be true or false", "speculative.suffix_cache")
+        raise bad(f"'speculative.{MEMORY_KEY}' must be true or false", f"speculative.{MEMORY_KEY}")
     shared, sections = speculative_keys(defaults.options)
     given = {key: value for key in shared if (value := spec.pop(key, None)) is not None}
     n_max = given.get("n_max")
@@ -312,12 +315,12 @@ def speculation(body: Mapping[str, Any], defaults: Settings, has_draft: bool,
         section = sections.get(strategy, {})
         unknown = sorted(set(spec) - set(section))
         if unknown:
-            allowed = ", ".join(["strategy", "suffix_cache", *sorted([*shared, "n_min"]), *sorted(section)])
+            allowed = ", ".join(["strategy", MEMORY_KEY, *sorted([*shared, "n_min"]), *sorted(section)])
             raise bad(f"unknown setting {unknown[0]!r} for strategy {strategy!r}; allowed: {allowed}",
                        f"speculative.{unknown[0]}")
         changes.update({section[name].path: _typed(section[name], value, name) for name, value in spec.items()})
     if not remember:  # this request neither consults nor updates the speculation memory
-        changes["suffix_cache"] = False
+        changes["memory"] = False
     try:
         options = with_paths(options, changes)  # dataclasses.replace: each config's __post_init__ checks it
     except ValueError as e:

@@ -27,7 +27,7 @@ from backends.sampling import GenParams
 from backends.steps import Steps, run_solo, tap
 
 if TYPE_CHECKING:
-    from backends.suffix import SuffixStore
+    from backends.memory import SpeculationMemory
 
 
 def never() -> bool:
@@ -92,10 +92,10 @@ PROMPT_KEPT = 48
 
 
 class Remembering:
-    """A strategy whose finished generations go into the speculation memory (backends.suffix): the end of the
+    """A strategy whose finished generations go into the speculation memory (backends.memory): the end of the
     prompt and the output, once it ended well (not an error or a cancel). Everything else is the strategy's."""
 
-    def __init__(self, inner: Strategy, memory: "SuffixStore") -> None:
+    def __init__(self, inner: Strategy, memory: "SpeculationMemory") -> None:
         self.inner = inner
         self.memory = memory
 

@@ -2,7 +2,7 @@
 
 Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975): the continuations
 that followed earlier occurrences of the current suffix, in earlier requests
-(backends.suffix.SuffixStore, kept on disk) and in this one (prompt lookup's
+(backends.memory.SpeculationMemory, kept on disk) and in this one (prompt lookup's
 matches, all of them, not only the latest), are merged into a token tree
 whose nodes carry the share of occurrences through them. The tree's size
 follows the match: SuffixDecoding's rule, at most `factor` x the match length
@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 from backends.config import SuffixConfig
 from backends.kv import KvSequence
+from backends.memory import Continuations, SpeculationMemory, merge_continuations
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.steps import Steps
@@ -32,7 +33,6 @@ from backends.strategies.base import StepMachine, drive, never
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
 from backends.strategies.lookup import NgramIndex
-from backends.suffix import Continuations, SuffixStore, merge_continuations
 from backends.token_tree import TokenTree
 
 OWN_WEIGHT = 2.0  # a continuation found in the request itself weighs this much more per matched token
@@ -73,7 +73,7 @@ def prune_by_grammar(run: Run, found: Continuations) -> Continuations:
 class SuffixSpeculation(StepMachine):
     name = "suffix"
 
-    def __init__(self, target: KvSequence, memory: SuffixStore | None, config: SuffixConfig = SuffixConfig()) -> None:
+    def __init__(self, target: KvSequence, memory: SpeculationMemory | None, config: SuffixConfig = SuffixConfig()) -> None:
         self.target = target
         self.memory = memory  # None: the request's own matches only (no memory, or not for this request)
         self.config = config

@@ -105,7 +105,7 @@ def main() -> int:
     outcomes: Counter[str] = Counter()
     bad: list[str] = []
     work = Path(tempfile.mkdtemp(prefix="specchat-fuzz-"))
-    env = {**os.environ, "SPECCHAT_COST_CACHE": "", "SPECCHAT_SUFFIX_CACHE": "", "SPECCHAT_DATA_DIR": str(work)}
+    env = {**os.environ, "SPECCHAT_COST_CACHE": "", "SPECCHAT_MEMORY_DIR": "", "SPECCHAT_DATA_DIR": str(work)}
     mutant = work / "mutant.gguf"
     for i in range(args.mutants):
         data = bytearray(original)

@@ -73,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
     target = resolve_model(args.m, lambda _m: None, None)
     engine = Engine(EngineConfig(target, n_ctx=2048, threads=args.t, n_seq_max=64, cost_cache=Path(""),
-                                 suffix_cache=False))
+                                 memory=False))
     model = engine.target_model
     fmt = PromptFormat(engine)
     ours, theirs, plain = [], [], []

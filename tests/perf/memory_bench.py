@@ -63,9 +63,9 @@ from backends.config import StrategyOptions  # noqa: E402
 from backends.engine import LEARNT_FILE, Engine, EngineConfig  # noqa: E402
 from backends.events import until_done  # noqa: E402
 from backends.grammar import Grammar, compile_grammar  # noqa: E402
+from backends.memory import SpeculationMemory  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from backends.strategies.auto.generation import MEMORY_MIN_MATCH  # noqa: E402
-from backends.suffix import SuffixStore  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 PEOPLE = [("Maria Lopez", 31, "Rome", "nurse"), ("John Smith", 45, "London", "teacher"),
@@ -178,7 +178,7 @@ def open_engine(args: argparse.Namespace, memory: Path, keep: Path | None = None
     target = resolve_model(args.m, lambda _m: None, None)
     draft = resolve_model(args.md, lambda _m: None, None) if args.md else None
     return Engine(EngineConfig(target, draft, n_ctx=4096, threads=args.t, n_seq_max=64,
-                               cost_cache=(keep or memory.parent) / COST_FILE, suffix_cache_dir=memory))
+                               cost_cache=(keep or memory.parent) / COST_FILE, memory_dir=memory))
 
 
 def config_engines(args: argparse.Namespace, memory: Path, labels: list[str]) -> dict[str, Engine]:
@@ -238,7 +238,7 @@ def workload_ratios(totals: Totals, base: str) -> dict[str, float]:
 Config = tuple[str, Engine, str, StrategyOptions]  # label, its engine, strategy, options
 
 
-def memory_reach(store: SuffixStore, prompt: Sequence[int], output: Sequence[int]) -> int:
+def memory_reach(store: SpeculationMemory, prompt: Sequence[int], output: Sequence[int]) -> int:
     """How many of an answer's tokens the memory held at their place: among the first tokens of its
     continuations of everything before them, matching MEMORY_MIN_MATCH tokens back as `auto` consults it.
     What this model's work repeats, whoever drafts: a sampled answer leaves the remembered ones, and the
@@ -271,7 +271,7 @@ def compare(prompts: list[tuple[list[int], Grammar | None]], configs: list[Confi
                 got[label_c] = run(engine, name, options, tokens,
                                    replace(params, grammar=grammar, seed=params.seed if params.greedy else rep * 1000 + i))
                 store = engine.memory()
-                if options.suffix_cache and store is not None:
+                if options.memory and store is not None:
                     reached += memory_reach(store, tokens, got[label_c][1])
                     answered += len(got[label_c][1])
             base_speed, base_tokens, _s = got[configs[0][0]]
@@ -310,7 +310,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         subprocess.run([sys.executable, __file__, "--phase", "warm", "--memory", str(memory), "-m", args.m, "-md",
                         args.md, "-t", str(args.t), "-n", str(args.n), "--temp", str(args.temp)]
                        + (["--families", args.families] if args.families else []), check=True)
-        on, off = StrategyOptions(), StrategyOptions(suffix_cache=False)
+        on, off = StrategyOptions(), StrategyOptions(memory=False)
         engines = config_engines(args, memory, ["ar", "auto", "auto+memory"])
         store = engines["auto+memory"].memory()
         assert store is not None

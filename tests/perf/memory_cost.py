@@ -3,11 +3,11 @@
 Fills a memory with documents of real model output (SmolLM2's greedy
 answers to varied prompts, repeated with changes, so that lookups find
 matches as they would in use) up to each size, then reports:
-- a lookup (`SuffixStore.continuations`, as `auto` makes one every step, and
+- a lookup (`SpeculationMemory.continuations`, as `auto` makes one every step, and
   as `suffix` makes one with its request's own matches): median and p90;
 - loading the file and building the index (a new process's first lookup);
 - the file's size and the index's memory.
-Its bound, `--suffix-cache-size` (backends/config.py SUFFIX_CACHE_TOKENS),
+Its bound, `--memory-size` (backends/config.py MEMORY_TOKENS),
 is chosen from these: the lookup stays a small share of a plain step.
 
     python tests/perf/memory_cost.py --sizes 10000,100000,500000,1000000
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from backends.suffix import SuffixStore  # noqa: E402
+from backends.memory import SpeculationMemory  # noqa: E402
 
 
 def corpus(n_vocab: int, rng: np.random.Generator, size: int) -> list[list[int]]:
@@ -60,13 +60,13 @@ def main() -> int:
     for size in (int(s) for s in args.sizes.split(",")):
         folder = Path(tempfile.mkdtemp(prefix="specchat-memory-cost-"))
         path = folder / "memory.bin"
-        store = SuffixStore(path, bytes(32), args.n_vocab, max_tokens=max(size * 2, 1000))
+        store = SpeculationMemory(path, bytes(32), args.n_vocab, max_tokens=max(size * 2, 1000))
         docs = corpus(args.n_vocab, rng, size)
         for d in docs:
             store.add(d)
         store.flush()
         t0 = time.perf_counter()
-        fresh = SuffixStore(path, bytes(32), args.n_vocab, max_tokens=max(size * 2, 1000))
+        fresh = SpeculationMemory(path, bytes(32), args.n_vocab, max_tokens=max(size * 2, 1000))
         fresh.continuations([1, 2, 3], 8, 8)  # loads and indexes
         load = time.perf_counter() - t0
         times, times2 = [], []

@@ -8,7 +8,7 @@ The options of one step:
     stopped where the draft's confidence no longer pays;
   - a lookahead step (Fu et al. 2024): lookahead.cpp's window and n-gram pool
     batch (backends.strategies.lookahead.LookaheadWindow), when it pays;
-  - continuations from the speculation memory (backends.suffix, after
+  - continuations from the speculation memory (backends.memory, after
     SuffixDecoding): a tree of what followed the current suffix in earlier
     outputs, with prompt lookup's proposal merged in (.proposals), each node
     priced by its own estimate and verified where its expected tokens pay

@@ -67,7 +67,7 @@ class Generation:
         self.params = params
         self.prompt = prompt
         self.index = NgramIndex(options.lookup.ngram_min, options.lookup.ngram_max) if options.auto.lookup else None
-        self.memory = slot.memory() if options.suffix_cache and options.auto.memory else None
+        self.memory = slot.memory() if options.memory and options.auto.memory else None
         la = options.lookahead
         self.window: LookaheadWindow | None = None
         if options.auto.lookahead and self.target.n_seq_max >= la.n_seq_max \

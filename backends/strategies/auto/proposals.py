@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from backends.suffix import Continuations
+from backends.memory import Continuations
 from backends.token_tree import EMPTY, TokenTree, TreeBuilder
 
 LOOKUP_SOURCE, MEMORY_SOURCE = "lookup", "memory"

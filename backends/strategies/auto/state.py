@@ -17,7 +17,7 @@ from typing import Callable
 from backends.sampling import GenParams
 
 # The speculation memory's proposals are learnt by the share of earlier occurrences that went their way, in
-# this many bins (backends.suffix: a continuation every earlier occurrence took is likelier than a split one).
+# this many bins (backends.memory: a continuation every earlier occurrence took is likelier than a split one).
 SHARE_BINS = 5
 CONFIDENCE_BINS = 10
 MAX_POSITION = 12

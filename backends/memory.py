@@ -20,7 +20,7 @@ are merged into a tree whose node frequencies are the share of occurrences
 through them. Documents added since the last index build are searched in a
 small dict index until the next rebuild.
 
-On disk: backends/suffix_file.py (a file per vocabulary, appended to, never
+On disk: backends/memory_file.py (a file per vocabulary, appended to, never
 left half-written).
 """
 
@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from backends.config import SUFFIX_CACHE_TOKENS
-from backends.suffix_file import (SuffixFile, SuffixStoreError, counters_path, read_counters,
+from backends.config import MEMORY_TOKENS
+from backends.memory_file import (MemoryFile, MemoryFileError, counters_path, read_counters,
                                    write_counters)
 from backends.token_tree import EMPTY, TokenTree, TreeBuilder
 
@@ -115,7 +115,7 @@ class _Index:
         return self.positions[n - 1][lo:hi]
 
 
-class SuffixStore:
+class SpeculationMemory:
     """Earlier prompts and outputs of one vocabulary, and the continuations they suggest.
 
     Loaded on first use (a session that never looks pays nothing). `add` is
@@ -124,13 +124,13 @@ class SuffixStore:
     file set aside.
     """
 
-    def __init__(self, path: Path | None, vocab_hash: bytes, n_vocab: int, max_tokens: int = SUFFIX_CACHE_TOKENS,
+    def __init__(self, path: Path | None, vocab_hash: bytes, n_vocab: int, max_tokens: int = MEMORY_TOKENS,
                  warn: Callable[[str], None] = lambda _m: None) -> None:
         if max_tokens < 1000:
             raise ValueError("the speculation memory needs room for at least 1000 tokens")
         if n_vocab >= 1 << BITS:
             raise ValueError(f"vocabularies of {n_vocab} tokens are over the store's {1 << BITS}")
-        self.file = SuffixFile(path, vocab_hash, n_vocab) if path is not None else None
+        self.file = MemoryFile(path, vocab_hash, n_vocab) if path is not None else None
         self.max_tokens = max_tokens
         self.warn = warn
         self._lock = threading.Lock()
@@ -166,7 +166,7 @@ class SuffixStore:
                 docs, cut = self.file.read()
                 if cut:  # a crash cut the last record: rewrite what is whole
                     self.file.rewrite(docs)
-            except (SuffixStoreError, OSError) as e:
+            except (MemoryFileError, OSError) as e:
                 where = ""
                 try:
                     where = f"; set aside as {self.file.set_aside().name}"

@@ -1,6 +1,6 @@
 """The speculation memory on disk: one file per vocabulary, appended to and never left half-written.
 
-On disk (`SuffixFile`): a header (magic, format version, the vocabulary's
+On disk (`MemoryFile`): a header (magic, format version, the vocabulary's
 hash, its size) and then records, each a document: length, CRC-32, tokens.
 Adding a document appends one record (flushed and fsynced off the decode
 path, by a writer thread), so a crash or kill -9 can cut only the last
@@ -32,15 +32,19 @@ VERSION = 1
 _HEADER = struct.Struct("<8sI32sI")  # magic, version, vocabulary hash (sha256), vocabulary size
 _RECORD = struct.Struct("<II")  # tokens in the record, CRC-32 of their bytes
 
-SUFFIX_DIR = "suffix"  # in the data dir: the speculation memory, a file per vocabulary
+# In the data dir: the speculation memory, a file per vocabulary (the folder keeps the name it had before the
+# memory had one name everywhere, so that memories written then are found).
+MEMORY_DIR = "suffix"
+# Where the memory lives instead; the second is its earlier name, still read.
+MEMORY_ENV = ("SPECCHAT_MEMORY_DIR", "SPECCHAT_SUFFIX_CACHE")
 
 
-def suffix_cache_dir(configured: Path | None) -> Path | None:
-    """Where the speculation memory lives: as configured, else $SPECCHAT_SUFFIX_CACHE, else the data dir's
+def memory_dir(configured: Path | None) -> Path | None:
+    """Where the speculation memory lives: as configured, else $SPECCHAT_MEMORY_DIR, else the data dir's
     `suffix/`; "" keeps none."""
     if configured is None:
-        env = os.environ.get("SPECCHAT_SUFFIX_CACHE")
-        configured = Path(env) if env is not None else data_dir() / SUFFIX_DIR
+        env = next((os.environ[name] for name in MEMORY_ENV if name in os.environ), None)
+        configured = Path(env) if env is not None else data_dir() / MEMORY_DIR
     return configured if str(configured) not in ("", ".") else None
 
 
@@ -56,11 +60,11 @@ def memory_files(folder: Path) -> list[Path]:
     return sorted(folder.glob(f"{MEMORY_PREFIX}*{MEMORY_SUFFIX}")) if folder.is_dir() else []
 
 
-class SuffixStoreError(ValueError):
+class MemoryFileError(ValueError):
     """A store file that cannot be used (not a store, another vocabulary, corrupt): said in one line."""
 
 
-class SuffixFile:
+class MemoryFile:
     """The store's file: header, then one record per document (see the module's docstring)."""
 
     def __init__(self, path: Path, vocab_hash: bytes, n_vocab: int) -> None:
@@ -72,18 +76,18 @@ class SuffixFile:
         return _HEADER.pack(MAGIC, VERSION, self.vocab_hash, self.n_vocab)
 
     def read(self) -> tuple[list[np.ndarray], bool]:
-        """The documents, and whether a cut last record was dropped. Raises SuffixStoreError for a file that is
+        """The documents, and whether a cut last record was dropped. Raises MemoryFileError for a file that is
         not this vocabulary's store."""
         data = self.path.read_bytes()
         if len(data) < _HEADER.size:
-            raise SuffixStoreError(f"{self.path}: too short to be a speculation memory file")
+            raise MemoryFileError(f"{self.path}: too short to be a speculation memory file")
         magic, version, vocab_hash, n_vocab = _HEADER.unpack_from(data)
         if magic != MAGIC:
-            raise SuffixStoreError(f"{self.path}: not a speculation memory file")
+            raise MemoryFileError(f"{self.path}: not a speculation memory file")
         if version != VERSION:
-            raise SuffixStoreError(f"{self.path}: format {version}, this specchat reads {VERSION}")
+            raise MemoryFileError(f"{self.path}: format {version}, this specchat reads {VERSION}")
         if vocab_hash != self.vocab_hash or n_vocab != self.n_vocab:
-            raise SuffixStoreError(f"{self.path}: written for another vocabulary")
+            raise MemoryFileError(f"{self.path}: written for another vocabulary")
         docs: list[np.ndarray] = []
         at = _HEADER.size
         while at < len(data):
@@ -96,10 +100,10 @@ class SuffixFile:
             if zlib.crc32(body) != crc:
                 if at + _RECORD.size + 4 * n >= len(data):
                     return docs, True
-                raise SuffixStoreError(f"{self.path}: a damaged record in the middle")
+                raise MemoryFileError(f"{self.path}: a damaged record in the middle")
             doc = np.frombuffer(body, dtype="<u4").astype(np.int64)
             if doc.size and int(doc.max()) >= self.n_vocab:
-                raise SuffixStoreError(f"{self.path}: token ids outside the vocabulary")
+                raise MemoryFileError(f"{self.path}: token ids outside the vocabulary")
             docs.append(doc)
             at += _RECORD.size + 4 * n
         return docs, False
@@ -157,9 +161,9 @@ def describe_file(path: Path) -> dict[str, object]:
         data = path.read_bytes()
         magic, version, vocab_hash, n_vocab = _HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION:
-            raise SuffixStoreError("not a speculation memory file of this version")
-        docs, cut = SuffixFile(path, vocab_hash, n_vocab).read()
-    except (SuffixStoreError, OSError, struct.error) as e:
+            raise MemoryFileError("not a speculation memory file of this version")
+        docs, cut = MemoryFile(path, vocab_hash, n_vocab).read()
+    except (MemoryFileError, OSError, struct.error) as e:
         return {**info, "error": str(e)}
     c = read_counters(path)
     return {**info, "vocabulary": vocab_hash.hex()[:16], "n_vocab": n_vocab, "documents": len(docs),
