@@ -85,8 +85,9 @@ def top_probability(logits: np.ndarray) -> float:
 def _top_k_ids(logits: np.ndarray, k: int, stride: int = 64) -> np.ndarray:
     """Ids of the k largest logits (unordered), as np.argpartition gives them, about ten times faster.
 
-    A full argpartition over a large vocabulary costs 0.3-0.4 ms, which every
-    sampled token paid. Instead, a threshold is read off every `stride`-th
+    A full argpartition over a large vocabulary costs a sizeable share of a
+    small model's step (docs/results.md, "Figures behind design choices"),
+    which every sampled token paid. Instead, a threshold is read off every `stride`-th
     logit (its r-th largest, r chosen so that about 4k logits of the whole
     lie above it), and the partition runs over the logits at or above it.
     Exact: the k largest of a subset that holds at least k of them are the k

@@ -8,8 +8,9 @@ model. One thread, because llama.cpp's CPU backend runs its compute on
 OpenMP: every thread that starts a decode gets a team of OpenMP threads that
 lives as long as it does, and once more OpenMP threads are alive than there
 are cores, libgomp's idle threads stop spinning and sleep, so every
-operation waits for a thread to wake. With a new worker thread per turn,
-SmolLM2 answered at 0.65x the speed of `specchat run` on a 2-core machine.
+operation waits for a thread to wake: with a new worker thread per turn the
+chat app answered far slower than `specchat run` (docs/results.md, "Figures
+behind design choices").
 Escape sets the cancel flag the strategy polls between target forwards; the
 partial answer is kept and the session stays usable.
 """

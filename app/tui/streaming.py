@@ -10,8 +10,8 @@ while the answer streams, in the same frame as the text; the final figures are
 
 Every UI update costs CPU that llama.cpp's threads wait for: on a 2-core
 laptop each frame preempts a compute thread, and generation loses about twice
-the UI thread's share of a core (tests/perf/tui_overhead.py: UI at 4.2% of a
-core cost 9% of the tokens/s, at 2.3% 4%). What a batch costs the UI grows as
+the UI thread's share of a core (tests/perf/tui_overhead.py; docs/results.md,
+"Figures behind design choices"). What a batch costs the UI grows as
 an answer does: a Markdown batch late in a 1,000-token answer re-lays out the
 answer's blocks and, once the transcript scrolls, repaints the whole screen
 (30-45 ms), where the first batches cost 5 ms. So no fixed interval fits both:

@@ -87,8 +87,8 @@ class ColouredText(Widget):
     """The speculation view's text, in `Static`s of whole lines: all but the last one never change again.
 
     A `Static` re-wraps its whole text on every update, so one `Static` for a whole answer costs time
-    quadratic in the answer's length: on a 1,000-token answer, updated four times a second, the UI took 14%
-    of a core from generation. Once the live part holds more than CHUNK characters, its lines but the last
+    quadratic in the answer's length (on a long answer the UI took a large share of a core from generation:
+    docs/results.md, "Figures behind design choices"). Once the live part holds more than CHUNK characters, its lines but the last
     move into a `Static` of their own (`live_cut`), and later updates re-wrap only the text after them. The
     cuts depend on the width; when it changes, the text is cut again.
     """
