@@ -104,7 +104,9 @@ def best_subtree(tree: TokenTree, reach: Sequence[float], cost: Callable[[int], 
 
     chosen: set[int] = set()
     kids = [0] * len(tree)
-    leaves, added = 0, 0.0  # the chosen nodes' reaches, summed before the 1 is added (fewer bits lost)
+    # Expected tokens, summed as each rule always summed them, so that their choices stay bit for bit: with a
+    # rate (auto) a running 1 + r1 + r2 ..., without (tree) the reaches first, then the 1.
+    leaves, added, running = 0, 0.0, 1.0
     best = Priced((), 1.0, plain)
     best_worth = worth(best.tokens, best.cost)
     for i in sorted(range(len(tree)), key=lambda j: (-reach[j], j)):
@@ -121,7 +123,8 @@ def best_subtree(tree: TokenTree, reach: Sequence[float], cost: Callable[[int], 
         if p >= 0:
             kids[p] += 1
         added += reach[i]
-        tokens, spent = 1.0 + added, cost(len(chosen))
+        running += reach[i]
+        tokens, spent = (1.0 + added) if rate is None else running, cost(len(chosen))
         if worth(tokens, spent) > best_worth:
             best, best_worth = Priced(tuple(sorted(chosen)), tokens, spent), worth(tokens, spent)
     return best

@@ -98,11 +98,12 @@ def advancing(steps: Generator, reply: Reply) -> Generator[Event, None, Request 
 def advance(steps: Generator, reply: Reply, sink: Callable[[Event], None]) -> Request | Finished:
     """`advancing` for a driver that is no generator itself: each event goes to `sink`."""
     events = advancing(steps, reply)
-    try:
-        while True:
-            sink(next(events))
-    except StopIteration as stop:
-        return stop.value
+    while True:
+        try:
+            event = next(events)
+        except StopIteration as stop:
+            return stop.value
+        sink(event)
 
 
 def decode_now(request: Decode) -> list[int] | DecodeError:
@@ -175,8 +176,4 @@ class BatchLoad:
     sequences: int = 1
     rows: int = 1
     running: int = 1
-
-    def others(self, own_rows: int = 1) -> tuple[int, int]:
-        """(sequences, rows) beside one sequence that put `own_rows` rows in it."""
-        return max(self.sequences - 1, 0), max(self.rows - own_rows, 0)
 

@@ -38,7 +38,7 @@ def run_cache(args: argparse.Namespace) -> int:
 
     folder = _folder()
     if folder is None:
-        raise UserError("the speculation memory is off ($SPECCHAT_MEMORY_DIR is empty)")
+        raise UserError("the speculation memory is off ($SPECCHAT_MEMORY_DIR or $SPECCHAT_SUFFIX_CACHE is empty)")
     files = memory_files(folder)
     if args.cache_command == "stats":
         if not files:

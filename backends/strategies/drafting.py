@@ -10,7 +10,7 @@ until a rule stops it or `k_max` tokens are drafted.
 The rule (`DraftRule`) is where strategies differ: `sps` drafts while the
 draft's confidence stays at or above p_min (llama.cpp's `--draft-p-min`,
 `PMin`); `auto` drafts while the next token is expected to pay for its
-draft decode and batch row (backends.strategies.auto.generation). The
+draft decode and batch row (backends.strategies.auto.choose.DraftPays). The
 confidence is the draft's top probability (of its tempered distribution when
 sampling), as llama.cpp's --draft-p-min reads it: the sampled token's own
 probability would call a draft unsure wherever its distribution is flat,

@@ -152,7 +152,7 @@ class CostModel:
         Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
         measured on a busy machine is made non-decreasing by suffix minima (backends.device_cost.monotone), which
         leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
-        (docs/results.md, "Continuous batching", traces what that cost)."""
+        (docs/results.md, "Figures behind design choices")."""
         if not others:
             return self.curve_at(k)
         lo = others + 1
