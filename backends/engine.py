@@ -132,7 +132,8 @@ class Engine:
         for i in range(n_par):
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
             draft = KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
-            self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory))
+            self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
+                                   known_cost=self.known_device_cost))
 
     @property
     def target(self) -> KvSequence:

@@ -55,11 +55,13 @@ class Learnt:
 class Slot:
     target: KvSequence
     draft: KvSequence | None
-    device_cost: Callable[[], DeviceCost | None]
+    device_cost: Callable[[], DeviceCost | None]  # known, else measured now (where the engine measures on demand)
     learnt: Learnt
     load: BatchLoad = field(default_factory=BatchLoad)
     # The speculation memory of this vocabulary (backends.memory), opened on first use; None when it is off.
     memory: Callable[[], SpeculationMemory | None] = lambda: None
+    # The device cost if it is known (cached or measured before), never measuring: for what must not wait.
+    known_cost: Callable[[], DeviceCost | None] = lambda: None
 
     def reset(self) -> None:
         """Empty this slot's caches, the target's and the draft's (another slot's cells stay)."""

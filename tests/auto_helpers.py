@@ -39,8 +39,11 @@ def synthetic_engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_
 
 def prefilled(engine: Engine, options: StrategyOptions = StrategyOptions(), prompt: list[int] | None = None,
                max_tokens: int = 64) -> Generation:
-    """One generation of auto on the engine's first slot, its prompt decoded, to ask its decisions directly."""
+    """One generation of auto on the engine's first slot, its prompt decoded, to ask its decisions directly; the
+    draft holds the prompt too, as it does (alone) once the first step handed its tokens on."""
     prompt = engine.tokenize(TINY_PROMPTS[0]) if prompt is None else prompt
     gen = Generation(AutoDecoding(engine.slots[0], options), prompt, GenParams(max_tokens=max_tokens))
     run_now(gen.prefill())
+    if gen.draft is not None:
+        run_now(gen.draft.syncing(prompt[:-1], logits=False))
     return gen

@@ -68,6 +68,10 @@ class AutoDecoding(StepMachine):
     def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
         gen = Generation(self, prompt, params)  # a prompt that does not fit fails here, as for every strategy
         name = f"{self.name}.{sampling_mode(params)}"
-        # The learnt state is kept for later sessions before Done is handed on (a consumer may stop there).
-        return drive(gen.run, gen.prefill, gen.step, should_stop,
-                     on_done=lambda: self.slot.learnt.keep(name, gen.state.to_json()))
+        # The learnt state is kept for later sessions, and a device cost not yet known is measured, before Done
+        # is handed on (a consumer may stop there).
+        def done() -> None:
+            self.slot.learnt.keep(name, gen.state.to_json())
+            gen.measure_after()
+
+        return drive(gen.run, gen.prefill, gen.step, should_stop, on_done=done)

@@ -151,8 +151,11 @@ class Chooser:
 
     def _try(self, options: list[Choice], best: Choice, rate: float, t_plain: float,
              props: Proposals) -> Choice | None:
-        """Exploration: an option not taken for its interval is tried once, to keep its estimate fresh."""
+        """Exploration: an option not taken for its interval is tried once, to keep its estimate fresh. Not
+        before the device's cost is known: a try priced on no curve would be paid by the user's answer."""
         st = self.state
+        if self.costs.curve is None:
+            return None
         for o in options:
             if o.option == best.option:
                 continue
@@ -238,7 +241,7 @@ class DraftPays:
 
     def keep(self, i: int, confidence: float) -> bool:
         a = self.state.draft_by_conf.p(confidence_bin(confidence))
-        if self.reach * a - self.rate * self._row(i) <= 0:
+        if self.reach * a - self.rate * self.t_plain * (self.costs.relative(i + 2) - self.costs.relative(i + 1)) <= 0:
             return False
         self.reach *= a
         self.a = a

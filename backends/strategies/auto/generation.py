@@ -90,15 +90,18 @@ class Generation:
             self.state.temperature = params.temperature
 
     def prefill(self) -> Generator[Decode, list[int], int]:
-        # Alone, the draft takes the prompt now, so that its first tries find it caught up. Beside others it
-        # waits until it is used (its catch-up is priced then, for the whole batch): a prompt costs this draft
-        # about what it costs the target, every sequence waits for it, and under load the draft seldom pays.
-        if self.draft is not None and self.slot.load.running == 1:
-            yield from self.draft.syncing(self.prompt[:-1], logits=False)
+        """The target's prompt, and nothing else before the first token: no draft prompt and no measurement
+        (a device cost not yet known is measured after the answer, `measure_after`)."""
         cached = yield from self.target.syncing(self.prompt[:-1], logits=False)
-        # From the disk cache, or measured now after this real context.
-        self.costs.seed(self.slot.device_cost(), self.draft is not None)
+        self.costs.seed(self.slot.known_cost(), self.draft is not None)
         return cached
+
+    def measure_after(self) -> None:
+        """Once the answer is done: measure the device's cost if this answer ran without it (a new machine or
+        new model files), so that the next answer prices its options. Until then `auto` decodes plainly and
+        tries nothing: the first answer on a new machine pays neither a calibration nor exploration."""
+        if self.costs.curve is None:
+            self.slot.device_cost()
 
     def decide(self, lookup: list[int], match: int, tree: CandidateTree | None = None) -> Choice:
         """This step's option for these proposals (kept in `proposals` for the step to learn from)."""
@@ -116,6 +119,7 @@ class Generation:
             return
         t0 = time.perf_counter()
         lookup, match = ([], 0)
+        first = not run.output
         if self.index is not None:
             lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
                                                           MATCH_EXTEND)
@@ -140,6 +144,14 @@ class Generation:
         self.costs.learn(st.tokens, len(run.output) - before)
         self.costs.learn(st.seconds, time.perf_counter() - t0)
         run.extra.update(self.stats())
+        if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
+                and len(self.draft.tokens) < len(self.prompt) - 1:
+            # Alone, the draft takes the prompt now, once the first tokens were handed on (not before them, where
+            # it would delay the first token by its own prompt decode), so that its first tries find it caught up.
+            # Beside others it waits until it is used (its catch-up is priced then, for the whole batch): every
+            # sequence would wait for its prompt, and under load it seldom pays. Without a known device cost this
+            # answer speculates not at all (measure_after), so the draft waits for the next one.
+            yield from self.draft.syncing(self.prompt[:-1], logits=False)
 
     def _count(self, choice: Choice) -> None:
         """The exploration schedule's bookkeeping: steps since each option was taken, tries, back-off."""
