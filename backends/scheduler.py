@@ -21,15 +21,18 @@ thrown into every sequence that had rows in it (their strategies end with
 
 `load` (a backends.steps.BatchLoad) is what the last target batch held: `auto`
 prices its rows against it, since under load a row it adds delays every
-sequence in the batch.
+sequence in the batch. Each tick is timed and its committed tokens counted,
+as a speculating or a plain tick of its batch size (backends.realised): what
+speculation delivers here, which bounds `auto`.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from backends.errors import DecodeError
-from backends.events import Event
+from backends.events import REJECTED, Event, Token
 from backends.kv import Lane
 from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
 
@@ -56,6 +59,8 @@ class Scheduler:
         self._turn = 0  # who goes first in the next tick's batches (rotates: no sequence always waits)
         self.load = BatchLoad()
         self.ticks = 0
+        self._tokens = 0  # tokens committed in this tick
+        self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk
 
     def __len__(self) -> int:
         return len(self._active)
@@ -70,8 +75,15 @@ class Scheduler:
     def _advance(self, a: _Active) -> bool:
         """Run `a` to its next request; False when it ended."""
         reply, a.reply = a.reply, None
+        sink = a.sink
+
+        def counted(event: Event) -> None:
+            if type(event) is Token and event.kind != REJECTED:
+                self._tokens += 1
+            sink(event)
+
         try:
-            request = advance(a.steps, reply, a.sink)
+            request = advance(a.steps, reply, counted)
         except Exception as e:  # noqa: BLE001 - one sequence's failure ends it alone
             a.on_end(e)
             return False
@@ -103,10 +115,18 @@ class Scheduler:
             for a in batch:
                 a.reply, a.pending = e, None
             return batch
+        target = lane is self.target_lane
         for a, r in zip(batch, rows):
+            if target:
+                entries = a.pending.entries  # type: ignore[union-attr]
+                wanted = sum(1 for e in entries if e[3])
+                self._speculated |= wanted > 1  # verification wants logits on every row
+                self._prompt |= wanted < len(entries)  # a prompt chunk wants them on its last row at most
             a.reply, a.pending = r, None
-        if lane is self.target_lane:
+        if target:
             self.load.sequences, self.load.rows = len(batch), used
+        else:
+            self._speculated = True  # a draft phase
         return [a for a in waiting if a.pending is None]
 
     def _by_lane(self, order: list[_Active], inner: bool) -> dict[int, tuple[Lane, list[_Active]]]:
@@ -126,6 +146,8 @@ class Scheduler:
         once per step, a chain of K tokens would take K steps of everyone's
         time and could never beat plain decoding.)
         """
+        t0 = time.perf_counter()
+        self._tokens, self._speculated, self._prompt = 0, False, False
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
         if not self._active:
             return 0
@@ -139,11 +161,17 @@ class Scheduler:
                     if not self._advance(a):  # ended
                         order.remove(a)
                         self._active.remove(a)
+        decoded = False
         for lane, waiting in self._by_lane(order, inner=False).values():
             self._decode(lane, waiting)
+            decoded = True
         self.ticks += 1
         # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
+        realised = self.load.realised
+        if decoded and not self._prompt:
+            realised.add(self.load.sequences, self._speculated, self._tokens, time.perf_counter() - t0)
+        realised.tick += 1
         self.load.running = max(len(self._active), 1)
         if not self._active:
             self.load.sequences, self.load.rows = 1, 1  # whoever decodes next decodes alone

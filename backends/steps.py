@@ -30,11 +30,12 @@ also observed, as the speculation memory records finished answers) all use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
 
 from backends.errors import DecodeError
 from backends.events import Event
+from backends.realised import Realised
 
 if TYPE_CHECKING:
     from backends.kv import Lane
@@ -170,10 +171,12 @@ def tap(steps: Steps, observe: Callable[[Event], None]) -> Steps:
 
 @dataclass
 class BatchLoad:
-    """The last target batch: how many sequences had rows in it, and how many rows it had in all; and how many
-    sequences the scheduler runs now (those that just joined included)."""
+    """The last target batch: how many sequences had rows in it, and how many rows it had in all; how many
+    sequences the scheduler runs now (those that just joined included); and what speculation delivered."""
 
     sequences: int = 1
     rows: int = 1
     running: int = 1
+    # What speculating ticks delivered against plain ones, per batch size (the scheduler's; empty alone).
+    realised: Realised = field(default_factory=Realised)
 

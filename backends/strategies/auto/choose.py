@@ -17,6 +17,10 @@ expected gain must pay back within SWITCH_HORIZON steps (fewer near the end
 of the answer); otherwise the switch is made only by a try. For the draft
 chain the same rule runs per token (`DraftPays`).
 
+Above the rule, the outcome is checked: where the scheduler saw speculating
+ticks deliver fewer tokens per second than plain ones at this batch size
+lately (backends.realised), every sequence decodes plainly.
+
 Exploration: an option the estimates call worse is still tried now and then,
 each at most once per `interval` steps, the interval chosen so that trying
 all of them costs at most `explore_budget` (1%) of the time
@@ -49,6 +53,7 @@ CHAIN_LAG = 2
 CATCH_UP_PRIOR = 0.15
 WHY_EVERY = 16  # steps between two refreshes of the reason shown (formatting it is not free)
 TRYING = "trying it (its estimate is stale)"  # the reason given for a try: "<option> — TRYING"
+HELD_BACK = "plain — speculating ticks delivered less than plain ones here lately"
 
 
 @dataclass
@@ -87,6 +92,8 @@ class Chooser:
     def choose(self, props: Proposals) -> Choice:
         """The step's option; fills in `props`' estimates."""
         st, run, costs = self.state, self.run, self.costs
+        if not costs.slot.load.realised.allows(costs.batch()[0]):  # backends.realised: the outcome's check
+            return Choice(PLAIN, why=HELD_BACK)
         room = run.room() - 1
         t_plain = costs.t_plain()
         rate = costs.rate()

@@ -1,0 +1,105 @@
+"""What speculation delivers here, now: tokens per second of the ticks that speculated against those that did not.
+
+`auto` prices every row from a cost model (backends.strategies.auto.costs):
+the device's measured curve, corrected by what verification took. A model
+can be wrong in ways it cannot see: a machine whose batch cost moved since
+it was measured, another program taking a core, a draft phase that makes
+every sequence of the batch wait. vLLM's adaptive verification and SmartSpec
+(arXiv 2406.14066) keep their cost model current from the running system;
+this goes one step further and checks the outcome itself. The scheduler
+times every tick (draft phase, target decode and the host work after it)
+and counts the tokens it committed; per batch size (the sequences with rows
+in the target batch), decayed sums of tokens and seconds give the rate of
+ticks where someone speculated and of ticks where nobody did. Where the
+first is below the second by more than MARGIN, with enough evidence of
+both, speculation does not pay here, now: `auto` decodes plainly at that
+batch size (`Realised.allows`).
+
+Evidence goes stale, both ways: while speculation is held back there are no
+new speculating ticks, and while everyone speculates no plain ones. Where
+plain evidence is older than PLAIN_EVERY ticks, every PLAIN_EVERY-th tick is
+plain for everyone (`plain_due`): at most that share of ticks, where
+speculation pays, is spent keeping the plain rate current. Evidence older
+than STALE ticks counts a quarter when new evidence of its kind comes, so
+that once speculation is held back, a probe tick every STALE ticks (where
+sequences decide as they would) soon lets it run again if the machine
+changed: speculation resumes within a few probes after a busy spell ends.
+Ticks that decode a prompt chunk are not counted: they are neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Speculation is held back where its ticks deliver less than (1 - MARGIN) x the plain ticks' rate.
+MARGIN = 0.03
+# Ticks of each kind at a batch size before the rates are compared (decayed counts).
+MIN_SPECULATED = 8.0
+MIN_PLAIN = 4.0
+# Per observation of a kind at a batch size: about 1/(1-DECAY) recent ticks count, so a machine that slows
+# down or speeds up (another program starts or stops) is followed within a few dozen ticks.
+DECAY = 0.95
+# Evidence older than STALE ticks weighs STALE_WEIGHT when new evidence of its kind comes.
+STALE = 64
+STALE_WEIGHT = 0.25
+# Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
+PLAIN_EVERY = 32
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: float = 0.0
+    last_tick: int = -(1 << 30)
+
+    def add(self, tokens: int, seconds: float, tick: int) -> None:
+        keep = DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
+        self.tokens = self.tokens * keep + tokens
+        self.seconds = self.seconds * keep + seconds
+        self.count = self.count * keep + 1.0
+        self.last_tick = tick
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Realised:
+    """Per batch size: the realised rates of speculating and of plain ticks, and the tick count."""
+
+    plain: dict[int, _Rate] = field(default_factory=dict)
+    speculated: dict[int, _Rate] = field(default_factory=dict)
+    tick: int = 0
+
+    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """One tick at this batch size: did anyone speculate, how many tokens it committed, how long it took."""
+        if seconds <= 0:
+            return
+        rates = self.speculated if speculated else self.plain
+        rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+
+    def pays(self, sequences: int) -> bool | None:
+        """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
+        this batch size lately; None without enough evidence of both."""
+        spec, plain = self.speculated.get(sequences), self.plain.get(sequences)
+        if spec is None or plain is None or spec.count < MIN_SPECULATED or plain.count < MIN_PLAIN:
+            return None
+        return spec.rate >= (1.0 - MARGIN) * plain.rate
+
+    def plain_due(self, sequences: int) -> bool:
+        """This tick is plain for everyone: speculation has evidence here, plain ticks have none this recent."""
+        spec, plain = self.speculated.get(sequences), self.plain.get(sequences)
+        return spec is not None and spec.count >= MIN_SPECULATED and self.tick % PLAIN_EVERY == 0 and \
+            (plain is None or self.tick - plain.last_tick >= PLAIN_EVERY)
+
+    def allows(self, sequences: int) -> bool:
+        """Whether a sequence may speculate in this tick at this batch size: not when a plain tick is due, and
+        not where speculation was found not to pay, unless its evidence is stale and this tick probes it."""
+        if self.plain_due(sequences):
+            return False
+        if self.pays(sequences) is not False:
+            return True
+        spec = self.speculated[sequences]
+        return self.tick - spec.last_tick > STALE and self.tick % STALE == STALE // 2
