@@ -251,9 +251,9 @@ def test_auto_finds_a_draft_its_prior_calls_too_slow(tiny) -> None:
 def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_stretch(tiny) -> None:
     """Past the early tries, trying the draft counts the decodes it needs to catch up on what it missed; after a
     long stretch of plain steps that costs more than the exploration budget, so within one generation the draft
-    is retried only at its start (right after the first step, once the draft took the prompt: it does not
-    delay the first token), not every MIN_EXPLORE_INTERVAL steps."""
-    cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.5 * k) for k in range(16))), 0.9)  # the draft never pays
+    is retried only at its start (at the first step or the next, once the draft took the prompt), not every
+    MIN_EXPLORE_INTERVAL steps."""
+    cost = DeviceCost(BatchCost(tuple(0.01 * (1 + 0.5 * k) for k in range(16))), 0.3)  # the draft never pays
     engine = _engine(tiny, tiny.draft, cost)
     try:
         state = engine.auto_states["greedy"]
@@ -268,7 +268,7 @@ def test_a_stale_draft_is_retried_where_the_draft_is_caught_up_not_after_a_long_
                     tries.append(position)
                 position += e.accepted + 1
         assert position > 3 * MIN_EXPLORE_INTERVAL, "long enough that the old schedule would try it 3 more times"
-        assert tries == [1], tries
+        assert len(tries) == 1 and tries[0] <= 1, f"one retry, at the start: {tries}"
     finally:
         engine.close()
 
@@ -422,3 +422,21 @@ def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) ->
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
     finally:
         engine.close()
+
+
+def test_a_draft_that_cannot_pay_even_always_right_is_neither_tried_nor_kept_in_step(tiny) -> None:
+    """A draft decode as dear as a target step (an F32 draft beside its F32 target): K drafts accepted every
+    time give K + 1 tokens for K draft decodes and a batch of K + 1, never more than plain decoding. Such a
+    draft is not an option at all: no try, no draft decode, and the draft's cache is not kept in step. A
+    cheaper draft on the same curve is tried (the test can fail)."""
+    curve = BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16)))
+    params = GenParams(max_tokens=96, temperature=0.0)
+    for draft_cost, used in ((1.0, False), (0.2, True)):
+        engine = _engine(tiny, tiny.draft, DeviceCost(curve, draft_cost))
+        try:
+            done = run_to_done(engine, "auto", engine.tokenize(TINY_PROMPTS[1]), params)
+            assert (done.stats.extra["draft_forwards"] > 0) == used, (draft_cost, done.stats.extra)
+            assert ("draft" in done.stats.steps_by_choice) == used, done.stats.steps_by_choice
+            assert (len(engine.slots[0].draft.tokens) > 0) == used, "kept in step only when it may pay"
+        finally:
+            engine.close()

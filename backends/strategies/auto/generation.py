@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Generator, Iterator, Sequence
 
 import numpy as np
 
-from backends.pricing import path_reach
+from backends.pricing import best_chain_speedup, path_reach
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.steps import Decode
@@ -93,7 +93,12 @@ class Generation:
         """The target's prompt, and nothing else before the first token: no draft prompt and no measurement
         (a device cost not yet known is measured after the answer, `measure_after`)."""
         cached = yield from self.target.syncing(self.prompt[:-1], logits=False)
-        self.costs.seed(self.slot.known_cost(), self.draft is not None)
+        cost = self.slot.known_cost()
+        self.costs.seed(cost, self.draft is not None)
+        if self.draft is not None and cost is not None and best_chain_speedup(1.0, cost.draft, cost.batch)[0] <= 1.0:
+            # A draft this dear cannot pay even were it always right (a draft as costly as the target: K + 1
+            # tokens for K draft decodes and a batch of K + 1): it is neither tried nor kept in step.
+            self.draft = self.chooser.draft = None
         return cached
 
     def measure_after(self) -> None:

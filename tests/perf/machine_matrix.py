@@ -1,0 +1,153 @@
+"""`auto` against `ar` on the conditions that change a machine's costs (not a test: a measurement).
+
+"Never slower than plain decoding" has to hold on machines unlike the one
+`auto` was tuned on, so this runs the default strategy against `-s ar` over
+the conditions that move the costs, one cell each, and writes the table:
+
+- threads: `-t 1` and `-t 2`;
+- a CPU hog beside it (a busy loop on one core) or not;
+- the draft at Q2_K (the bundled `smollm2-draft`), Q8_0 (derived once with
+  `specchat models derive`) and F32 (the target itself: a draft as costly as
+  the target, with which speculation can only lose);
+- 1, 2, 4 and 8 clients kept busy;
+- temperatures 0 and 0.8;
+- in process (`specchat bench --clients`: the server's scheduler, both
+  strategies in one run, interleaved) and over HTTP, streamed (two
+  `specchat serve` processes, `-s ar` and the default, driven alternately by
+  the `openai` client: tests/perf/serve_vs_llama_server.py's driver).
+
+Each cell is the median over `--repeats` of `auto`'s tokens per second in
+all against `ar`'s in the same repeat. The whole matrix is 192 cells; pick a
+part with the flags:
+
+    python tests/perf/machine_matrix.py --out docs/matrix.md
+    python tests/perf/machine_matrix.py --threads 2 --hog off --drafts q2,f32 --clients 1,4 --temps 0.8 --modes inproc
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "perf"))
+
+from app.bench.prompts import load_prompt_set  # noqa: E402
+from models.resolve import resolve_model  # noqa: E402
+
+BAR = 0.97  # the promise: auto at least this share of ar's tokens per second in every cell
+
+
+def hog() -> subprocess.Popen:
+    """A busy loop on one core, as another program on the user's laptop."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def draft_path(name: str, target: Path) -> Path:
+    """The draft of that quantization: the bundled Q2_K, a Q8_0 derived once into the data dir, or F32 (the
+    target itself)."""
+    if name == "q2":
+        return resolve_model("smollm2-draft")
+    if name == "f32":
+        return target
+    if name == "q8":
+        out = Path(tempfile.gettempdir()) / "specchat-matrix-smollm2-Q8_0.gguf"
+        if not out.exists():
+            subprocess.run([sys.executable, "-m", "app", "models", "derive", str(target), "Q8_0", "-o", str(out)],
+                           check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return out
+    raise SystemExit(f"unknown draft {name!r}: q2, q8 or f32")
+
+
+def inproc(target: Path, draft: Path, threads: int, clients: list[int], temp: float, args: argparse.Namespace
+           ) -> dict[int, list[float]]:
+    """auto / ar per client count, one figure per repeat, from `specchat bench --clients`."""
+    ratios: dict[int, list[float]] = {}
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as out:
+            subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", "ar,auto",
+                            "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests",
+                            str(args.requests), "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1",
+                            "-t", str(threads), "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            for row in json.loads((Path(out) / "bench.json").read_text())["load"]:
+                if row["strategy"] == "auto":
+                    ratios.setdefault(row["clients"], []).append(row["speedup_vs_ar"])
+    return ratios
+
+
+def http(target: Path, draft: Path, threads: int, clients: list[int], temp: float, args: argparse.Namespace
+         ) -> dict[int, list[float]]:
+    """auto / ar per client count over HTTP, streamed: two servers, driven alternately."""
+    from serve_vs_llama_server import MODEL_ID, Server, load
+
+    MODEL_ID[0] = target.stem
+    requests = [[{"role": m.role, "content": m.content} for m in p.messages] or
+                [{"role": "user", "content": p.chat_text()}] for p in load_prompt_set("chat", 8)]
+    requests = [requests[i % len(requests)] for i in range(args.requests)]
+    log_dir = Path(tempfile.mkdtemp(prefix="matrix-"))
+    ratios: dict[int, list[float]] = {}
+    servers = [Server(name, flags, target, draft, max(clients), 4096, threads, log_dir)
+               for name, flags in (("ar", "-s ar"), ("auto", ""))]
+    try:
+        for s in servers:  # warm-up
+            load(s, requests[:2], 2, 8, temp)
+        for c in clients:
+            for rep in range(args.repeats):
+                order = servers if rep % 2 == 0 else servers[::-1]
+                rate = {s.name: load(s, requests, c, args.n, temp)[0] for s in order}
+                ratios.setdefault(c, []).append(rate["auto"] / rate["ar"])
+    finally:
+        for s in servers:
+            s.stop()
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--hog", default="off,on")
+    ap.add_argument("--drafts", default="q2,q8,f32")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--temps", default="0,0.8")
+    ap.add_argument("--modes", default="inproc,http")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
+    ap.add_argument("-n", type=int, default=64, help="tokens per request")
+    ap.add_argument("--out", type=Path, help="write the table here too (markdown)")
+    args = ap.parse_args()
+    target = resolve_model("smollm2")
+    clients = [int(c) for c in args.clients.split(",")]
+    lines = ["| threads | hog | draft | temp | mode | clients | auto / ar (median) | repeats | ≥ 0.97 |",
+             "|---:|---|---|---:|---|---:|---:|---|---|"]
+    print("\n".join(lines), flush=True)
+    for threads, hogged, draft, temp, mode in itertools.product(
+            [int(t) for t in args.threads.split(",")], args.hog.split(","), args.drafts.split(","),
+            [float(t) for t in args.temps.split(",")], args.modes.split(",")):
+        busy = hog() if hogged == "on" else None
+        try:
+            run = inproc if mode == "inproc" else http
+            ratios = run(target, draft_path(draft, target), threads, clients, temp, args)
+        finally:
+            if busy is not None:
+                busy.kill()
+        for c in clients:
+            got = ratios.get(c, [])
+            med = statistics.median(got) if got else float("nan")
+            line = (f"| {threads} | {hogged} | {draft} | {temp:g} | {mode} | {c} | {med:.2f} | "
+                    f"{' / '.join(f'{r:.2f}' for r in got)} | {'yes' if med >= BAR else '**no**'} |")
+            lines.append(line)
+            print(line, flush=True)
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
