@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _imports(path: Path) -> set[str]:
-    """Top-level names of every module a file imports (at any depth, TYPE_CHECKING blocks included)."""
+    """Every module a file imports by its full dotted name (at any depth, TYPE_CHECKING blocks included);
+    `from package import name` counts both `package` and `package.name`, since the name may be a module."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -40,6 +41,7 @@ def _imports(path: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -78,20 +80,6 @@ def test_models_do_not_import_the_engine() -> None:
     assert _offenders(("models",), ("backends",)) == []
 
 
-def _full_imports(path: Path) -> set[str]:
-    """Every module a file imports by its full dotted name (at any depth, TYPE_CHECKING blocks included);
-    `from package import name` counts both `package` and `package.name`, since the name may be a module."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
 STRATEGIES_MUST_NOT_IMPORT = ("backends.scheduler", "backends.engine")
 
 
@@ -100,7 +88,7 @@ def test_strategies_do_not_import_the_scheduler_or_the_engine() -> None:
     assert len(strategies) > 5 and any(p.parent.name == "auto" for p in strategies), "the scan sees auto/ too"
     bad = []
     for path in strategies:
-        hits = sorted(m for m in _full_imports(path)
+        hits = sorted(m for m in _imports(path)
                       if any(m == f or m.startswith(f + ".") for f in STRATEGIES_MUST_NOT_IMPORT))
         if hits:
             bad.append(f"{path.relative_to(ROOT)}: {', '.join(hits)}")

@@ -39,7 +39,7 @@ from backends.run import Run
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, SWITCH_HORIZON,
                                             TRY_DRAFT_MAX, Choice, best_chain_length, explore_interval)
-from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree
+from backends.strategies.auto.proposals import CandidateTree
 from backends.strategies.auto.state import AutoState, Calibration, confidence_bin, lookup_key
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Chooser:
 
     def p(self, source: str, key: object) -> float:
         """The chance a proposal learnt under `key` is accepted (lookup's or the memory's estimates)."""
-        return (self.state.lookup if source == LOOKUP_SOURCE else self.state.memory).p(key)
+        return self.state.estimates(source).p(key)
 
     def choose(self, props: Proposals) -> Choice:
         """The step's option; fills in `props`' estimates."""
@@ -248,6 +248,8 @@ class DraftPays:
 
     def keep(self, i: int, confidence: float) -> bool:
         a = self.state.draft_by_conf.p(confidence_bin(confidence))
+        # The row's price multiplied in the order it always was (rate * t_plain first), not through _row: a
+        # different rounding can flip this comparison at a near tie.
         if self.reach * a - self.rate * self.t_plain * (self.costs.relative(i + 2) - self.costs.relative(i + 1)) <= 0:
             return False
         self.reach *= a

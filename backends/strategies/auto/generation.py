@@ -28,7 +28,7 @@ from backends.strategies.auto.choose import CHAIN_LAG, Chooser, DraftPays, Propo
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
                                             expected_chain_tokens)
-from backends.strategies.auto.proposals import LOOKUP_SOURCE, CandidateTree, candidate_tree, looked_at
+from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
@@ -184,9 +184,6 @@ class Generation:
         keys = [memory_key(found.match, share, d - 1) for share, d in zip(found.tree.weights, found.tree.depth)]
         return candidate_tree(found, keys, lookup, [lookup_key(match, i) for i in range(len(lookup))])
 
-    def _learn(self, source: str, key: object, accepted: bool) -> None:
-        (self.state.lookup if source == LOOKUP_SOURCE else self.state.memory).update(key, accepted)
-
     def _memory_step(self, choice: Choice) -> Iterator[object]:
         """Verify the chosen nodes of the candidate tree: as a chain when they are one (no branch ids), else as
         a tree (backends.strategies.branches.verify_tree); each node the target looked at teaches its
@@ -210,7 +207,7 @@ class Generation:
             self._rows(len(chosen) + 1)
             for i, accepted in looked_at(chosen.parents, v.path, finished=len(v.path) > v.matched):
                 for source, key in keys[i]:
-                    self._learn(source, key, accepted)
+                    self.state.estimates(source).update(key, accepted)
             self.memory.record(len(chosen), v.accepted)
         self.chooser.memory_calibration.add(len(run.output) - before - 1, predicted)
 
@@ -238,7 +235,7 @@ class Generation:
                 st.lookup.update(keys[i], accepted)
             elif source == MEMORY:  # a path of the candidate tree: each node's (source, key) estimates
                 for node_source, key in keys[i]:  # type: ignore[union-attr]
-                    self._learn(node_source, key, accepted)
+                    st.estimates(node_source).update(key, accepted)
             else:
                 st.draft_by_conf.update(confidence_bin(confs[i]), accepted)
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from backends.sampling import GenParams
+from backends.strategies.auto.proposals import LOOKUP_SOURCE
 
 # The speculation memory's proposals are learnt by the share of earlier occurrences that went their way, in
 # this many bins (backends.memory: a continuation every earlier occurrence took is likelier than a split one).
@@ -197,6 +198,11 @@ class AutoState:
     temperature: float | None = None
     # False: keep the times the device cost gave and learn only acceptance (tests pin a synthetic device so).
     learn_timing: bool = True
+
+    def estimates(self, source: str) -> Acceptance:
+        """The acceptance estimates a candidate node of `source` (proposals' LOOKUP_SOURCE or MEMORY_SOURCE)
+        is judged and learnt under."""
+        return self.lookup if source == LOOKUP_SOURCE else self.memory
 
     # Kept between sessions (Learnt.keep), so that a new one, or a one-off `specchat run`, does not pay
     # the first tries again: short runs that start from nothing spend a large share of their steps trying
