@@ -17,10 +17,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from backends.kv import KvSequence
 from backends.store import MONTH, JsonStore
+
+if TYPE_CHECKING:
+    from backends.kv import KvSequence
 
 
 @dataclass(frozen=True)

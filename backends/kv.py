@@ -27,9 +27,11 @@ context alone.
 
 from __future__ import annotations
 
+import time
 from typing import Generator, Iterable, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError
+from backends.live_cost import LiveCurve
 from backends.llama import Batch, LlamaContext
 from backends.steps import Decode, Entry, Rows, run_now
 
@@ -48,12 +50,16 @@ class Lane:
     `chunk` is the most prompt tokens one sequence puts in a batch: the whole
     batch when it decodes alone, less when it shares the batch with others
     (a long prompt then delays the others' next tokens by one chunk at most).
+    `live` is its cost curve, kept current from every decode whose rows all
+    want logits (backends.live_cost): what speculation is priced with.
     """
 
     def __init__(self, ctx: LlamaContext, ids_per_token: int | None = None, chunk: int | None = None) -> None:
         self.ctx = ctx
         self.batch = Batch(ctx.n_batch, ids_per_token or ctx.config.n_seq_max)
         self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
+        self.live = LiveCurve()
+        self.last_rows = 0  # rows of the last decode
 
     @property
     def capacity(self) -> int:
@@ -63,7 +69,12 @@ class Lane:
         """Decode the entries of several requests in one batch; each request's batch rows, in order."""
         self.batch.clear()
         rows = [[self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries] for entries in requests]
+        t0 = time.perf_counter()
         self.ctx.decode(self.batch)
+        seconds = time.perf_counter() - t0
+        self.last_rows = n = sum(map(len, requests))
+        if all(e[3] for entries in requests for e in entries):  # not a prompt chunk: a shape speculation prices
+            self.live.observe(n, seconds)
         return rows
 
 

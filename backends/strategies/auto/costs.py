@@ -5,6 +5,11 @@ them against expected tokens). Its inputs:
   - the device's batch cost curve T(k)/T(1) and the draft's cost, measured
     once per model files, threads and build and cached on disk
     (backends.device_cost, Slot.device_cost), which seed
+  - each lane's live curve (backends.live_cost, Lane.live): every decode of
+    the target's and the draft's lanes, alone or in a batch of many
+    sequences, moves it, so a machine that slows down or speeds up, a
+    growing context and a full batch are priced as they are now; the
+    measured curve seeds it and never has the last word;
   - the live time of a plain step and of a draft decode (`AutoState.t_plain`,
     `t_draft`), learnt from every step this sequence decodes alone;
   - the curve's error: the extra cost beyond one token is scaled by what
@@ -44,21 +49,35 @@ class CostModel:
     def __init__(self, state: AutoState, slot: "Slot") -> None:
         self.state = state
         self.slot = slot
-        self.curve: BatchCost | None = None
+        self.seed_curve: BatchCost | None = None  # as measured (what is priced when timing is not learnt)
         self.t1 = 0.0  # the measured T(1), seconds
+        self.measured_draft = 0.0  # a draft token's measured cost, in target tokens
         self.own_rows = 1  # rows this sequence put in its last target batch (the others' are the rest of it)
 
     def seed(self, cost: DeviceCost | None, has_draft: bool) -> None:
         """Start from the device's measured cost (the live times start from it where nothing was learnt yet)."""
         if cost is None:
             return
-        self.curve = cost.batch
+        self.seed_curve = cost.batch
         self.t1 = cost.batch.seconds[0]
+        self.measured_draft = cost.draft
+        # The lanes' live curves start from the measurement (the same one again keeps what they learnt); the
+        # draft's from its measured cost, shaped as the target's until its own decodes say otherwise.
+        self.slot.target.lane.live.seed(cost.batch.seconds)
+        if has_draft and self.slot.draft is not None and cost.draft > 0:
+            self.slot.draft.lane.live.seed([cost.draft * s for s in cost.batch.seconds])
         st = self.state
         if st.t_plain.value is None:
             st.t_plain.seed(self.t1)
         if st.t_draft.value is None and has_draft:
             st.t_draft.seed(cost.draft * self.t1)
+
+    @property
+    def curve(self) -> BatchCost | None:
+        """The target's batch cost curve: its lane's live one, or as measured where timing is not learnt."""
+        if self.seed_curve is None or not self.state.learn_timing:
+            return self.seed_curve
+        return self.slot.target.lane.live.curve() or self.seed_curve
 
     # -- learning ------------------------------------------------------------
 
@@ -104,14 +123,44 @@ class CostModel:
         load = self.slot.load
         return max(load.sequences, 1), max(load.rows - self.own_rows, 0)
 
+    def draft_ratio(self) -> float:
+        """A draft decode of one row against a target decode of one, from the lanes' live curves (as measured
+        where timing is not learnt or a lane has no curve yet)."""
+        measured = self.measured_draft
+        draft = self.slot.draft
+        if draft is None or not self.state.learn_timing:
+            return measured
+        live, target = draft.lane.live.curve(), self.slot.target.lane.live.curve()
+        if live is None or target is None:
+            return measured
+        return live.seconds[0] / target.seconds[0]
+
     def t_draft_alone(self, t_plain: float) -> float:
         """Seconds of one draft decode: measured alone, seeded from the device cost, else DRAFT_PRIOR steps."""
         return self.state.t_draft.get(t_plain * DRAFT_PRIOR)
 
     def t_draft(self, t_plain: float) -> float:
-        """Seconds a draft decode costs the batch: once for each of the B sequences in it (they all wait for
-        the draft phase of the step, backends.scheduler)."""
-        return self.t_draft_alone(t_plain) * self.batch()[0]
+        """Seconds a draft decode costs the batch, in this sequence's plain steps as `relative` counts them.
+
+        Alone: as measured alone. Beside others: every one of the B
+        sequences waits for the draft phase of the tick (backends.scheduler),
+        so its share of a draft decode (the draft lane's live T(m)/m, m the
+        drafters in its last decode) counts B times, against the plain tick
+        T(L+1) on the target's live curve. Without live curves, a draft
+        decode as measured alone, B times.
+        """
+        alone = self.t_draft_alone(t_plain)
+        b, others = self.batch()
+        if b == 1 and others == 0:
+            return alone
+        draft = self.slot.draft
+        live = draft.lane.live.curve() if draft is not None and self.state.learn_timing else None
+        target = self.curve
+        if live is None or target is None or target is self.seed_curve:
+            return alone * b
+        m = min(max(draft.lane.last_rows, 1), len(live.seconds))  # type: ignore[union-attr]
+        tick = target.seconds[min(others + 1, len(target.seconds)) - 1]
+        return t_plain * b * (live.seconds[m - 1] / m) / tick
 
     def relative(self, k: float) -> float:
         """What verifying k rows costs, in plain steps of this sequence.
@@ -162,11 +211,12 @@ class CostModel:
 
     def curve_at(self, k: float) -> float:
         """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
-        if self.curve is None:
+        curve = self.curve
+        if curve is None:
             return float(k)
-        if k > len(self.curve.seconds):  # beyond the measurement: grow linearly from its last slope
-            n = len(self.curve.seconds)
-            last = self.curve.relative(n)
-            slope = last - self.curve.relative(n - 1)
+        if k > len(curve.seconds):  # beyond the measurement: grow linearly from its last slope
+            n = len(curve.seconds)
+            last = curve.relative(n)
+            slope = last - curve.relative(n - 1)
             return last + max(slope, 0.0) * (k - n)
-        return self.curve.relative(k)
+        return curve.relative(k)

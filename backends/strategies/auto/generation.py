@@ -95,8 +95,9 @@ class Generation:
         cached = yield from self.target.syncing(self.prompt[:-1], logits=False)
         cost = self.slot.known_cost()
         self.costs.seed(cost, self.draft is not None)
-        if self.draft is not None and cost is not None and best_chain_speedup(1.0, cost.draft, cost.batch)[0] <= 1.0:
-            # A draft this dear cannot pay even were it always right (a draft as costly as the target: K + 1
+        if self.draft is not None and self.costs.curve is not None \
+                and best_chain_speedup(1.0, self.costs.draft_ratio(), self.costs.curve)[0] <= 1.0:
+            # A draft this dear (its lanes' live costs, else as measured) cannot pay even were it always right (a draft as costly as the target: K + 1
             # tokens for K draft decodes and a batch of K + 1): it is neither tried nor kept in step.
             self.draft = self.chooser.draft = None
         return cached

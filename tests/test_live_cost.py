@@ -1,0 +1,185 @@
+"""A lane's cost curve kept current from every decode (backends.live_cost, Lane.live), and `auto` priced with it
+alone and under load (backends.strategies.auto.costs): the rule on synthetic readings, the readings of real
+llama.cpp decodes, and decisions that follow a machine that changed since its cost was measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.config import AutoConfig, StrategyOptions
+from backends.device_cost import BatchCost, DeviceCost
+from backends.live_cost import CLIP, RATE, LiveCurve
+from backends.steps import BatchLoad
+from backends.strategies.auto.decide import best_chain_length
+from auto_helpers import flat, prefilled, synthetic_engine
+
+LINEAR = tuple(0.01 * (1 + 0.1 * (k - 1)) for k in range(1, 17))  # T(k) = T(1) (1 + 0.1 (k - 1))
+
+
+def _seeded(seconds=LINEAR) -> LiveCurve:
+    live = LiveCurve()
+    live.seed(seconds)
+    return live
+
+
+# -- the rule, on synthetic readings ----------------------------------------------------------------------------------
+
+def test_unseeded_a_curve_is_none_and_readings_are_not_taken() -> None:
+    live = LiveCurve()
+    live.observe(1, 0.01)
+    assert live.curve() is None and live.observed == 0
+    with pytest.raises(ValueError):
+        live.seed([0.01, 0.0])
+
+
+def test_a_machine_that_slows_down_is_followed_within_dozens_of_decodes() -> None:
+    """Every batch size takes twice its measured time (another program took a core): within 40 decodes of
+    sizes 1 and 5 the curve reads within 10% of twice the measurement at every size, those never decoded too,
+    and its shape (T(k)/T(1)) stays the measured one. When the machine is back, it follows back."""
+    live = _seeded()
+    for i in range(40):
+        k = 1 if i % 2 else 5
+        live.observe(k, 2 * LINEAR[k - 1])
+    curve = live.curve()
+    for k in (1, 5, 9, 16):
+        assert curve.seconds[k - 1] == pytest.approx(2 * LINEAR[k - 1], rel=0.1), k
+    assert curve.relative(9) == pytest.approx(1.8, rel=0.05)
+    for i in range(60):
+        live.observe(1 if i % 2 else 5, LINEAR[0 if i % 2 else 4])
+    assert live.curve().seconds[8] == pytest.approx(LINEAR[8], rel=0.1)
+
+
+def test_a_stall_moves_the_curve_by_a_bounded_step() -> None:
+    """One decode that took ten times its cost (a page fault, the collector) moves the level by at most
+    RATE * CLIP in log seconds: the curve stays within 6% of what it was."""
+    live = _seeded()
+    for _ in range(30):
+        live.observe(1, LINEAR[0])
+    before = live.curve().seconds
+    live.observe(1, 10 * LINEAR[0])
+    after = live.curve().seconds
+    bound = pytest.approx(1.0, abs=RATE * CLIP + 0.01)
+    assert all(a / b == bound for a, b in zip(after, before))
+    assert after[4] / before[4] > 1.0
+
+
+def test_a_batch_size_dearer_than_measured_is_learnt_apart_from_the_level() -> None:
+    """Decodes of 1 row take their measured time, decodes of 8 rows 1.5 times theirs (the curve was measured in
+    a fast spell): the curve's T(8)/T(1) goes from 1.7 to ~2.55, T(1) stays, and the curve stays non-decreasing."""
+    live = _seeded()
+    for _ in range(300):
+        live.observe(1, LINEAR[0])
+        live.observe(8, 1.5 * LINEAR[7])
+    curve = live.curve()
+    assert curve.seconds[0] == pytest.approx(LINEAR[0], rel=0.1)
+    assert curve.relative(8) == pytest.approx(1.5 * 1.7, rel=0.1)
+    assert all(a <= b for a, b in zip(curve.seconds, curve.seconds[1:]))
+
+
+def test_reseeding_keeps_what_was_learnt_for_the_same_curve_and_starts_over_for_a_new_one() -> None:
+    live = _seeded()
+    for _ in range(30):
+        live.observe(2, 3 * LINEAR[1])
+    learnt = live.curve()
+    live.seed(LINEAR)
+    assert live.curve() is learnt
+    live.seed(tuple(2 * s for s in LINEAR))
+    assert live.curve().seconds[0] == pytest.approx(2 * LINEAR[0]) and live.observed == 0
+    live.observe(17, 1.0)  # beyond the seed's rows: nothing to compare it with
+    assert live.observed == 0
+
+
+# -- real decodes -----------------------------------------------------------------------------------------------------
+
+def test_decodes_that_want_logits_on_every_row_are_readings_and_prompt_chunks_are_not(tiny) -> None:
+    """A lane seeded with a curve a thousand times too slow reads real decodes: a prompt decoded with logits on
+    its last row only is not taken; single tokens and verification-shaped batches are, and pull the curve
+    toward what they took."""
+    engine = synthetic_engine(tiny, None, None)
+    try:
+        seq = engine.target
+        lane = seq.lane
+        lane.live.seed(tuple(1000 * s for s in LINEAR))
+        prompt = engine.tokenize("the cat sat on the mat and then")
+        seq.sync(prompt, logits=False)
+        assert lane.live.observed == 0 and lane.last_rows == len(prompt)
+        for _ in range(10):
+            seq.extend([prompt[-1]] * 4, logits="all")
+            seq.truncate(len(prompt))
+            seq.extend([prompt[-1]])
+            seq.truncate(len(prompt))
+        assert lane.live.observed == 20 and lane.last_rows == 1
+        assert lane.live.curve().seconds[0] < 1000 * LINEAR[0] * 0.5, "the readings pulled it down"
+    finally:
+        engine.close()
+
+
+# -- auto priced with it ----------------------------------------------------------------------------------------------
+
+def test_auto_prices_with_the_live_curve_alone_and_under_load(tiny) -> None:
+    """Measured flat (a batch of 16 costs one token), the device now takes T(k) = k T(1): a lookup of one
+    token accepted 60% of the time pays on the measured curve and not on the live one, alone and beside
+    3 other sequences. Where timing is not learnt (these tests' synthetic devices), the measured curve stands."""
+    engine = synthetic_engine(tiny, None, DeviceCost(flat(), 0.0))
+    try:
+        gen = prefilled(engine)
+        rate = 1 / 0.01
+        assert best_chain_length([0.6], rate, 0.01, gen.costs.relative)[0] == 1, "as measured: it pays"
+        live = engine.target.lane.live
+        assert live.seeded, "auto seeded its lane from the measurement"
+        for _ in range(200):
+            for k in (1, 2, 4, 8, 16):
+                live.observe(k, 0.01 * k)
+        assert best_chain_length([0.6], rate, 0.01, gen.costs.relative)[0] == 1, "timing not learnt: as measured"
+        gen.state.learn_timing = True
+        assert gen.costs.relative(2) == pytest.approx(2.0, rel=0.15)
+        assert best_chain_length([0.6], rate, 0.01, gen.costs.relative)[0] == 0, "live: plain"
+        gen.slot.load = BatchLoad(sequences=4, rows=4)
+        assert best_chain_length([0.6], rate, 0.01, gen.costs.relative)[0] == 0, "live, under load: plain"
+    finally:
+        engine.close()
+
+
+def test_under_load_a_draft_decode_is_priced_by_its_share_of_the_draft_phase(tiny) -> None:
+    """Beside 3 others, all 4 drafting: each waits for the draft phase, a batch of 4 draft rows. On live curves
+    (target: a tick of 4 rows costs 0.013 s; draft: 4 rows 0.004 s), one sequence's draft decode costs the
+    batch 4 x 0.004/4 = 0.004 s against the tick, in its plain steps: 0.004/0.013 of one. Seeded, it is what
+    the measurement says, once per sequence of the batch."""
+    draft_seconds = tuple(0.001 * (1 + 0.1 * (k - 1)) for k in range(1, 17))
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(LINEAR), 0.1))
+    try:
+        gen = prefilled(engine, StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False)))
+        costs = gen.costs
+        t_plain = 0.01
+        gen.slot.load = BatchLoad(sequences=4, rows=4)
+        assert costs.t_draft(t_plain) == pytest.approx(4 * 0.001), "as measured, once per sequence"
+        gen.state.learn_timing = True
+        draft_lane, target_lane = gen.slot.draft.lane, gen.slot.target.lane
+        assert draft_lane.live.curve().seconds[0] == pytest.approx(0.001)
+        draft_lane.live.seed(draft_seconds)
+        for _ in range(100):
+            draft_lane.live.observe(4, 0.004)
+            target_lane.live.observe(4, 0.013)
+        draft_lane.last_rows = 4
+        gen.slot.load = BatchLoad(sequences=4, rows=4)
+        assert costs.t_draft(t_plain) == pytest.approx(t_plain * 4 * (0.004 / 4) / 0.013, rel=0.05)
+        gen.slot.load = BatchLoad()
+        assert costs.t_draft(t_plain) == pytest.approx(0.001), "alone: as learnt alone"
+    finally:
+        engine.close()
+
+
+def test_a_draft_that_became_as_dear_as_the_target_is_dropped_on_the_live_ratio(tiny) -> None:
+    """Measured at a tenth of a target decode, the draft now takes as long as one (its core is taken): a new
+    generation neither tries nor keeps it, on the lanes' live curves."""
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(LINEAR), 0.1))
+    try:
+        assert prefilled(engine).draft is not None
+        for mode in ("greedy", "sampled"):
+            engine.auto_states[mode].learn_timing = True
+        for _ in range(100):
+            engine.draft.lane.live.observe(1, LINEAR[0])
+            engine.target.lane.live.observe(1, LINEAR[0])
+        assert prefilled(engine).draft is None
+    finally:
+        engine.close()
