@@ -40,6 +40,7 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None  # a tool message: the function's name
+    reasoning: str = ""  # an assistant's thinking (templates read it as `reasoning_content`)
 
 
 def _arguments(text: str) -> object:
@@ -61,6 +62,8 @@ def message_dict(m: ChatMessage) -> dict[str, object]:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
     return out
 
 
@@ -110,10 +113,17 @@ def _compile(source: str):
 
 
 def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, eos_token: str,
-                tools: Sequence[dict] | None = None) -> str:
+                tools: Sequence[dict] | None = None, kwargs: dict | None = None) -> str:
     """The conversation as the model expects it, ending with the assistant's turn opened. `tools` (OpenAI's
-    function definitions) go to a template that uses them, as apply_chat_template passes them."""
-    extra = {"tools": list(tools)} if tools else {}
+    function definitions) go to a template that uses them, as apply_chat_template passes them; `kwargs` are
+    more variables for the template (llama-server's `chat_template_kwargs`). `enable_thinking` is true unless
+    they say otherwise, as llama.cpp's common/chat.cpp passes it: templates edited for llama.cpp (its QwQ and
+    DeepSeek-R1) close the thinking block where it is not."""
+    extra: dict[str, object] = {"enable_thinking": True, **(kwargs or {})}
+    if tools:
+        extra["tools"] = list(tools)
+    for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+        extra.pop(reserved, None)
     try:
         return _compile(template).render(
             messages=[message_dict(m) for m in messages],

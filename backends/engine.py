@@ -28,6 +28,7 @@ from backends.kv import KvSequence, Lane
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.memory import SpeculationMemory
 from backends.memory_file import memory_file, memory_dir
+from backends.reasoning import Thinking
 from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
@@ -161,8 +162,9 @@ class Engine:
 
     def strategy(self, name: str, options: StrategyOptions = StrategyOptions(), slot: int = 0) -> Strategy:
         """The named strategy on one of this engine's slots (backends.registry). With the speculation memory
-        on (and the options not refusing it), what it generates is remembered (Remembering)."""
-        strategy = spec(name).build(self.slots[slot], options)
+        on (and the options not refusing it), what it generates is remembered (Remembering). A thinking model's
+        output is split into reasoning and answer where GenParams.reasoning asks (backends.reasoning.Thinking)."""
+        strategy: Strategy = Thinking(spec(name).build(self.slots[slot], options), self.target_model)
         memory = self.memory() if options.memory else None
         return Remembering(strategy, memory) if memory is not None else strategy
 

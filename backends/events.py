@@ -16,6 +16,8 @@ TokenKind = Literal["accepted", "target", "rejected"]
 # Who proposed a token: the draft model, prompt lookup, lookahead's n-gram pool, or nobody (the target's own).
 Source = Literal["draft", "lookup", "lookahead", "grammar", "memory", "target"]
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
+# Where a thinking model's text goes (backends.reasoning): its reasoning block or the answer.
+Channel = Literal["reasoning", "content"]
 
 ACCEPTED: TokenKind = "accepted"
 TARGET: TokenKind = "target"
@@ -47,6 +49,10 @@ class Token:
     under the target's distribution at its place (after a grammar's mask, at
     temperature 1, before any truncation) and the `logprobs` likeliest
     tokens there with theirs, best first.
+    For a thinking model (GenParams.reasoning), `text` is the answer's part
+    of what the token releases and `reasoning` its reasoning's part (the
+    tags removed); `channel` is where the token stands (a rejected token's
+    piece is shown there).
     """
 
     id: int
@@ -56,6 +62,8 @@ class Token:
     source: Source = "target"
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    reasoning: str = ""
+    channel: Channel = "content"
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,8 @@ class Done:
 
     `tail` is output text not carried by any Token event: what was held back
     because it might have begun a stop string. A streaming consumer prints it
-    last. `error` is set when reason is 'error'.
+    last. `error` is set when reason is 'error'. For a thinking model, `text`
+    is the answer and `reasoning` the whole reasoning (tags removed).
     """
 
     reason: DoneReason
@@ -142,6 +151,7 @@ class Done:
     text: str
     tail: str = ""
     error: str | None = None
+    reasoning: str = ""
 
 
 Event = Union[Prefilled, Token, StepEnd, Done]

@@ -16,6 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from backends.grammar import Grammar
+    from backends.reasoning import ReasoningFormat
 
 # Logits further than this below the maximum have a probability under e^-30
 # relative to the top token (their total mass is < 1e-7 even over a 262k vocab).
@@ -45,6 +46,11 @@ class GenParams:
     # Drafters propose under the grammar too (the default). False, a measurement knob (`bench --unmasked-drafts`):
     # they propose freely and only the target is masked, as llama.cpp does; still lossless, fewer accepted.
     mask_drafts: bool = True
+    # A thinking model's format (backends.reasoning): its output is split into reasoning and answer, and the
+    # thinking ends after `reasoning_budget` tokens (None: no bound) with `reasoning_message` before the end tag.
+    reasoning: ReasoningFormat | None = None
+    reasoning_budget: int | None = None
+    reasoning_message: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -59,6 +65,8 @@ class GenParams:
             raise ValueError("min_p must be in [0, 1)")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ValueError("the reasoning budget must be >= 0 tokens")
 
     @property
     def greedy(self) -> bool:

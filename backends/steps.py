@@ -31,7 +31,7 @@ also observed, as the speculation memory records finished answers) all use it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Generator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Generator, Iterable, Iterator, Optional, Sequence, Union
 
 from backends.errors import DecodeError
 from backends.events import Event
@@ -143,22 +143,21 @@ def run_now(steps: Generator[Decode, list[int], object]) -> object:
         reply = request.lane.decode([request.entries])[0] if isinstance(request, Decode) else None
 
 
-def tap(steps: Steps, observe: Callable[[Event], None]) -> Steps:
-    """The same step machine, each of its events shown to `observe` before it is handed on; the driver's
-    replies (rows, or a decode's error) are passed to it."""
+def relay(steps: Steps, transform: Callable[[Event], Iterable[Event]]) -> Generator:
+    """The same step machine, each of its events replaced by what `transform` makes of it (none, itself, or
+    others); the driver's replies (rows, or a decode's error) are passed to it, and its return value returned.
+    A machine that wraps another (`tap`, backends.reasoning's phases) is written with it."""
     reply: Reply = None
     try:
         while True:
             events = advancing(steps, reply)
             try:
                 while True:
-                    event = next(events)
-                    observe(event)
-                    yield event
+                    yield from transform(next(events))
             except StopIteration as stop:
                 request = stop.value
             if isinstance(request, Finished):
-                return
+                return request.value
             try:
                 reply = yield request
             except GeneratorExit:
@@ -167,6 +166,15 @@ def tap(steps: Steps, observe: Callable[[Event], None]) -> Steps:
                 reply = e
     finally:
         steps.close()
+
+
+def tap(steps: Steps, observe: Callable[[Event], None]) -> Steps:
+    """The same step machine, each of its events shown to `observe` before it is handed on."""
+    def shown(event: Event) -> tuple[Event]:
+        observe(event)
+        return (event,)
+
+    return relay(steps, shown)
 
 
 @dataclass

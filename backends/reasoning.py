@@ -1,0 +1,357 @@
+"""Models that think: the reasoning block split from the answer, and a budget that ends it.
+
+Thinking models (Qwen3, QwQ, the DeepSeek-R1 distills, SmolLM3, Magistral,
+Command R7B) write a reasoning block before their answer, between a start
+and an end tag (`<think>` … `</think>`), and several templates open the
+block in the generation prompt themselves (QwQ, DeepSeek-R1: the output
+starts inside it). llama.cpp's common/chat.cpp recognises the formats by
+their templates and splits the output into `reasoning_content` and
+`content`; this module is that, for specchat's event stream:
+
+- `ReasoningFormat`: the tags, and whether the prompt opened the block
+  (`detect_format` finds them from the template and how it renders);
+- `Splitter`: a streaming splitter of released text into reasoning and
+  answer, robust to tags split across tokens or spelled as several, to a
+  model that skips thinking, and to a block never closed (at the end of the
+  output, all of it is reasoning, as llama.cpp's parser has it). Like
+  llama.cpp's, it trims the reasoning and the start of the answer;
+- `Thinking`: a strategy wrapper (every strategy, alone or under the
+  scheduler: it is a step machine too, backends.steps.relay) that labels
+  each token's text by channel and ends the thinking at a budget, as
+  llama-server's `reasoning_budget_tokens` does (common/reasoning-budget.cpp
+  forces the end tag once the budget is spent).
+
+The budget runs as two phases of one answer. The thinking phase generates
+until the end tag (a stop string), the budget, or the answer's end; when the
+budget ends it inside the block, the end tag (after the budget message, if
+any) is forced, and the answer phase continues from the prompt, the thinking
+and the tag, every token of which is in the caches already (only the forced
+tag is decoded). So strategies need know nothing of it: each phase is an
+ordinary generation, token for token what one generation would give at
+temperature 0, and a grammar (structured output, tools) constrains the
+answer phase only, never the thinking, as llama.cpp's lazy grammars start at
+the end tag. The speculation memory and prompt lookup see the thinking text
+(it quotes the question and repeats itself) like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from backends.errors import PromptError
+from backends.events import Channel, Done, Event, GenStats, Prefilled, StepEnd, Token
+from backends.sampling import GenParams
+from backends.steps import Steps, relay, run_solo
+
+if TYPE_CHECKING:
+    from backends.llama import LlamaModel
+    from backends.strategies.base import Strategy
+
+# The tag pairs of the thinking formats llama.cpp's common/chat.cpp knows, by the end tag that marks them in a
+# template: DeepSeek-R1, QwQ, Qwen3, SmolLM3, GLM (<think>); Magistral ([THINK]); Command R7B; Seed-OSS; Gemma 4.
+TAGS: tuple[tuple[str, str], ...] = (
+    ("<think>", "</think>"),
+    ("<|channel>thought", "<channel|>"),
+    ("[THINK]", "[/THINK]"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),
+    ("<seed:think>", "</seed:think>"),
+)
+REASONING: Channel = "reasoning"
+CONTENT: Channel = "content"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """A thinking model's tags; `opened`: its generation prompt opens the block (the output starts inside it);
+    `can_disable`: its template turns thinking off (`enable_thinking: false` renders the block closed)."""
+
+    start: str
+    end: str
+    opened: bool = False
+    can_disable: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end or self.start == self.end:
+            raise ValueError("a reasoning format needs two different, non-empty tags")
+
+
+def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningFormat | None:
+    """The thinking format of a chat template, or None for a model that does not think.
+
+    `render(kwargs)` is a one-message conversation's text with the
+    assistant's turn opened, the template given `kwargs` (as
+    chat_template_kwargs): whether the block is left open there says
+    whether the output starts inside it, and whether `enable_thinking:
+    false` closes it says whether thinking can be turned off.
+    """
+    for start, end in TAGS:
+        if end not in template:
+            continue
+        on = render({"enable_thinking": True})
+        opened = on.rfind(start) > on.rfind(end)
+        can_disable = False
+        if "enable_thinking" in template:
+            off = render({"enable_thinking": False})
+            can_disable = off != on and off.rfind(end) > off.rfind(start) >= 0
+        return ReasoningFormat(start, end, opened, can_disable)
+    return None
+
+
+def _held(text: str, tag: str) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of `tag` (it may yet become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class Splitter:
+    """Released text in, (reasoning, answer) text out, as it streams.
+
+    Before the block (a format whose prompt does not open it), leading
+    whitespace is held until the start tag or other text shows whether the
+    model thinks. Inside, text is released as reasoning except a tail that
+    may begin the end tag, and trailing whitespace (trimmed when the block
+    ends). After it, the answer's leading whitespace is dropped.
+    """
+
+    def __init__(self, fmt: ReasoningFormat, opened: bool | None = None) -> None:
+        self.fmt = fmt
+        self.state: str = REASONING if (fmt.opened if opened is None else opened) else "before"
+        self._buf = ""
+        self._lead = True  # at the start of a channel: its leading whitespace is dropped
+        self.reasoning = ""
+        self.content = ""
+
+    @property
+    def channel(self) -> Channel:
+        return REASONING if self.state == REASONING else CONTENT
+
+    @property
+    def thinking(self) -> bool:
+        """Inside the reasoning block."""
+        return self.state == REASONING
+
+    def push(self, text: str) -> tuple[str, str]:
+        """The reasoning and answer text that `text` releases (either may be empty)."""
+        self._buf += text
+        reasoning = content = ""
+        while True:
+            if self.state == "before":
+                head = self._buf.lstrip()
+                if head.startswith(self.fmt.start):
+                    self._buf, self.state, self._lead = head[len(self.fmt.start):], REASONING, True
+                    continue
+                if self.fmt.start.startswith(head):
+                    break  # whitespace, or the start tag's beginning: not known yet
+                self.state = CONTENT
+                continue
+            if self.state == REASONING:
+                if self._lead:
+                    self._buf = self._buf.lstrip()
+                    if not self._buf:
+                        break
+                    self._lead = False
+                i = self._buf.find(self.fmt.end)
+                if i >= 0:
+                    reasoning += self._buf[:i].rstrip()
+                    self._buf, self.state, self._lead = self._buf[i + len(self.fmt.end):], CONTENT, True
+                    continue
+                keep = _held(self._buf, self.fmt.end)
+                body = self._buf[:len(self._buf) - keep]
+                stripped = body.rstrip()
+                reasoning += stripped
+                self._buf = body[len(stripped):] + self._buf[len(self._buf) - keep:]
+                break
+            if self._lead:  # the answer
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    break
+                self._lead = False
+            content += self._buf
+            self._buf = ""
+            break
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+    def close(self) -> None:
+        """The block ends here (its end tag was a stop string, or was forced): the answer follows."""
+        if self.state != CONTENT:
+            self.state, self._buf, self._lead = CONTENT, "", True
+
+    def flush(self) -> tuple[str, str]:
+        """At the end of the output: what was held back (a block never closed keeps its text as reasoning)."""
+        buf, self._buf = self._buf, ""
+        if self.state == REASONING:
+            out = buf.rstrip() if not self._lead else ""
+            self.reasoning += out
+            return out, ""
+        if self.state == "before":
+            buf = buf.strip()
+        self.content += buf
+        return "", buf
+
+
+def split(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
+    """A whole output's (reasoning, answer)."""
+    s = Splitter(fmt)
+    s.push(text)
+    s.flush()
+    return s.reasoning, s.content
+
+
+def merge_stats(a: GenStats, b: GenStats, forced: int) -> GenStats:
+    """The stats of an answer made of two phases with `forced` tokens between them."""
+    def add(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
+        n = max(len(x), len(y))
+        return tuple((x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n))
+
+    def sums(x: dict, y: dict) -> dict:
+        return {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
+
+    by_source = sums(a.tokens_by_source, b.tokens_by_source)
+    if forced:
+        by_source["grammar"] = by_source.get("grammar", 0) + forced
+    return replace(a, generated_tokens=a.generated_tokens + forced + b.generated_tokens,
+                   decode_seconds=a.decode_seconds + b.prompt_seconds + b.decode_seconds,
+                   target_forwards=a.target_forwards + b.target_forwards, drafted=a.drafted + b.drafted,
+                   accepted=a.accepted + b.accepted,
+                   accepted_per_position=add(a.accepted_per_position, b.accepted_per_position),
+                   drafted_per_position=add(a.drafted_per_position, b.drafted_per_position),
+                   tokens_by_source=by_source, steps_by_choice=sums(a.steps_by_choice, b.steps_by_choice),
+                   extra={**a.extra, **b.extra})
+
+
+class Thinking:
+    """A strategy whose output a thinking model splits into reasoning and answer (GenParams.reasoning), with
+    the thinking ended at GenParams.reasoning_budget tokens. Without a format, the strategy's own machine."""
+
+    def __init__(self, inner: "Strategy", model: "LlamaModel") -> None:
+        self.inner = inner
+        self.model = model
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = lambda: False
+              ) -> Steps:
+        if params.reasoning is None:
+            return self.inner.steps(prompt, params, should_stop)
+        return self._phases(list(prompt), params, should_stop)
+
+    def generate(self, prompt: Sequence[int], params: GenParams,
+                 should_stop: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+        return run_solo(self.steps(prompt, params, should_stop))
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.model.tokenize(text, add_special=False, parse_special=True)
+
+    def _ended_by_tag(self, done: Done, tag: str) -> bool:
+        """Whether a phase that stopped at a stop string stopped at `tag` (not at one of the user's)."""
+        text = b"".join(self.model.piece(t) for t in done.tokens).decode("utf-8", errors="replace")
+        return text[len(done.text):].startswith(tag)
+
+    def _phases(self, prompt: list[int], params: GenParams, should_stop: Callable[[], bool]) -> Steps:
+        fmt = params.reasoning
+        assert fmt is not None
+        splitter = Splitter(fmt)
+        ends: list[Done] = []
+        waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
+        prefilled = [False]
+
+        def labelled(event: Event) -> Iterator[Event]:
+            if isinstance(event, Token):
+                if event.kind == "rejected":
+                    yield replace(event, channel=splitter.channel)
+                    return
+                reasoning, content = splitter.push(event.text)
+                yield replace(event, text=content, reasoning=reasoning, channel=splitter.channel)
+            elif isinstance(event, Done):
+                ends.append(event)
+            elif isinstance(event, Prefilled):
+                if not prefilled[0]:
+                    prefilled[0] = True
+                    yield event
+                    yield from waiting
+                    waiting.clear()
+            else:
+                yield event
+
+        if params.grammar is not None and not fmt.opened:
+            # A grammar from the first token: the model cannot open a block, so the answer is all there is.
+            splitter.close()
+            yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
+            yield self._done(prompt, ends[-1], [], None, splitter)
+            return
+        budget = params.reasoning_budget
+        start_tokens = 0 if fmt.opened else len(self._tokens(fmt.start))
+        cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
+        first: Done | None = None
+        if cap > 0:
+            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None)
+            yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
+            first = ends[-1]
+            splitter.push(first.tail)  # held back as a stop string's possible start: still text (Done carries it)
+            if first.reason == "stop" and self._ended_by_tag(first, fmt.end):
+                splitter.close()
+            elif first.reason != "length" or len(first.tokens) >= params.max_tokens:
+                yield self._done(prompt, first, [], None, splitter)  # the answer's end: eos, a stop, an error
+                return
+        forced: list[int] = []
+        if splitter.thinking:  # the budget is spent inside the block: its end is forced
+            message = params.reasoning_message
+            forced = self._tokens((message + "\n" if message else "") + fmt.end + "\n\n")
+            reasoning, _ = splitter.push(message)
+            splitter.close()
+            tokens = [Token(tok, "", "accepted", source="grammar", reasoning=reasoning if i == 0 else "",
+                            channel=CONTENT) for i, tok in enumerate(forced)]
+            if prefilled[0]:
+                yield from tokens
+            else:
+                waiting.extend(tokens)
+        done_so_far = list(first.tokens) if first is not None else []
+        room = params.max_tokens - len(done_so_far) - len(forced)
+        head = prompt + done_so_far + forced
+        steps = None
+        if room >= 1 and not should_stop():
+            try:
+                steps = self.inner.steps(head, replace(params, max_tokens=room), should_stop)
+            except PromptError:  # the context is full
+                steps = None
+        if steps is None:
+            if not prefilled[0]:
+                yield Prefilled(len(prompt), 0.0)
+                yield from waiting
+            yield self._done(prompt, first, forced, None, splitter, "cancelled" if should_stop() else "length")
+            return
+        yield from relay(steps, labelled)
+        yield self._done(prompt, first, forced, ends[-1], splitter)
+
+    def _done(self, prompt: list[int], first: Done | None, forced: list[int], second: Done | None,
+              splitter: Splitter, reason: str | None = None) -> Done:
+        """One Done for the phases: all their tokens, the answer as text, the reasoning whole."""
+        last = second or first
+        if second is not None:
+            splitter.push(second.tail)
+        _, tail = splitter.flush()
+        if first is not None and second is not None:
+            stats = merge_stats(first.stats, second.stats, len(forced))
+        elif last is not None:
+            stats = merge_stats(last.stats, replace(last.stats, generated_tokens=0, decode_seconds=0.0,
+                                                    prompt_seconds=0.0, target_forwards=0, drafted=0, accepted=0,
+                                                    accepted_per_position=(), drafted_per_position=(),
+                                                    tokens_by_source={}, steps_by_choice={}, extra={}),
+                                len(forced))
+        else:
+            stats = GenStats(strategy=getattr(self.inner, "name", ""), prompt_tokens=len(prompt), prompt_cached=0,
+                             prompt_seconds=0.0, generated_tokens=len(forced), decode_seconds=0.0,
+                             target_forwards=0, drafted=0, accepted=0,
+                             tokens_by_source={"grammar": len(forced)} if forced else {})
+        tokens = (tuple(first.tokens) if first is not None else ()) + tuple(forced) + \
+            (tuple(second.tokens) if second is not None else ())
+        return Done(reason=(reason or (last.reason if last is not None else "length")),  # type: ignore[arg-type]
+                    stats=stats, tokens=tokens, text=splitter.content, tail=tail,
+                    error=last.error if last is not None else None, reasoning=splitter.reasoning)
