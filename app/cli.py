@@ -19,6 +19,7 @@ import threading
 from dataclasses import replace
 from typing import Callable, NoReturn, Sequence
 
+from app.chat_template import ChatMessage
 from app.commands.cache import add_cache_parser, run_cache
 from app.commands.models import add_models_parser, run_models
 from app.commands.rpc import add_rpc_parser
@@ -59,6 +60,11 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
                             "least recently used texts go first")
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="never end at an end-of-generation token: exactly -n tokens (for benchmarks)")
+    t = p.add_argument_group("thinking models")
+    t.add_argument("--no-think", dest="thinking", action="store_false", default=None,
+                   help="answer without thinking first (a template that takes enable_thinking)")
+    t.add_argument("--reasoning-budget", type=int, default=None, metavar="N",
+                   help="end the thinking after N tokens; the answer follows (default: no bound)")
     add_strategy_flags(p.add_argument_group("speculation"))
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
@@ -72,6 +78,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
         return
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    o.add_argument("--reasoning", choices=("show", "hide"), default="show",
+                   help="a thinking model's reasoning: dimmed on stderr (show) or not at all (default: show)")
     o.add_argument("--color", dest="color", action="store_true", default=None,
                    help="speculation view: accepted green, rejected red struck through, corrections blue")
     o.add_argument("--no-color", dest="color", action="store_false", help="plain text")
@@ -280,9 +288,16 @@ def generate(args: argparse.Namespace) -> int:
         grammar = grammar_from_flags(args, engine.target_model)
         if grammar is not None:
             params = replace(params, grammar=grammar)
-        tokens = PromptFormat(engine).prompt(prompt_text, settings.system_prompt, raw=raw)
+        prompt_format = PromptFormat(engine)
+        kwargs = None
+        if not raw and prompt_format.reasoning is not None:
+            kwargs = prompt_format.thinking_kwargs(settings.thinking)
+            params = replace(params, reasoning=prompt_format.reasoning_for([ChatMessage("user", prompt_text)],
+                                                                           settings.system_prompt, kwargs=kwargs))
+        tokens = prompt_format.prompt(prompt_text, settings.system_prompt, raw=raw, kwargs=kwargs)
         color = sys.stdout.isatty() if args.color is None else args.color
-        view = TextView(sys.stdout, color)
+        view = TextView(sys.stdout, color, reasoning=sys.stderr if getattr(args, "reasoning", "show") == "show"
+                        else None)
         parse = getattr(args, "json_schema", None) is not None
         show: Callable[[object], None] = (lambda ev: print(event_json(ev, parse), flush=True)) if args.json \
             else view.show

@@ -15,9 +15,12 @@ everything up to the first token that differs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import replace
+from functools import cached_property
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from app.chat_template import ChatMessage, ChatTemplateError, render_chat
+from backends.reasoning import ReasoningFormat, detect_format
 
 if TYPE_CHECKING:
     from backends.engine import Engine
@@ -37,8 +40,40 @@ class PromptFormat:
         """`text` tokenized as it is (BOS added as the model asks), no template."""
         return self.engine.tokenize(text)
 
+    @cached_property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The model's thinking format (backends.reasoning), from its template; None for a model that does not
+        think (or has no template)."""
+        if self.plain:
+            return None
+        try:
+            return detect_format(self.template or "", lambda kw: self.render([ChatMessage("user", "Hi")], kwargs=kw))
+        except ChatTemplateError:
+            return None
+
+    def thinking_kwargs(self, thinking: bool, kwargs: Mapping[str, object] | None = None) -> dict[str, object]:
+        """The template's variables for a request that asks for thinking on or off (llama-server's
+        `chat_template_kwargs` win); off on a template that cannot turn it off is a ThinkingError."""
+        out = {"enable_thinking": thinking, **(kwargs or {})}
+        fmt = self.reasoning
+        if fmt is not None and out.get("enable_thinking") is False and not fmt.can_disable:
+            raise ThinkingError(f"{self.engine.config.target.name}: its chat template cannot turn thinking off "
+                                "(it takes no enable_thinking); bound it with a reasoning budget instead")
+        return out
+
+    def reasoning_for(self, messages: Sequence[ChatMessage], system_prompt: str = "",
+                      tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None
+                      ) -> ReasoningFormat | None:
+        """The thinking format for this conversation's answer: whether its rendered prompt leaves the block open
+        (a template that opens it, or a turn continued inside it). None for a model that does not think."""
+        fmt = self.reasoning
+        if fmt is None:
+            return None
+        text = self.render(messages, system_prompt, tools, kwargs)
+        return replace(fmt, opened=text.rfind(fmt.start) > text.rfind(fmt.end))
+
     def render(self, messages: Sequence[ChatMessage], system_prompt: str = "",
-               tools: Sequence[dict] | None = None) -> str:
+               tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> str:
         """The text the model reads (for a template: with the assistant's turn opened)."""
         if self.plain:
             text = f"{system_prompt}\n" if system_prompt else ""
@@ -52,14 +87,16 @@ class PromptFormat:
         bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
         eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
         try:
-            return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools)
+            return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools,
+                               kwargs=dict(kwargs or {}))
         except ChatTemplateError as e:  # which model's template: the file it came from
             raise ChatTemplateError(f"{self.engine.config.target.name}: {e}") from None
 
     def tokens(self, messages: Sequence[ChatMessage], system_prompt: str = "",
-               tools: Sequence[dict] | None = None) -> list[int]:
-        """The conversation's tokens; `tools` go to a template that uses them (app.serve.tools decides)."""
-        text = self.render(messages, system_prompt, tools)
+               tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> list[int]:
+        """The conversation's tokens; `tools` go to a template that uses them (app.serve.tools decides), `kwargs`
+        are the template's variables (`thinking_kwargs`)."""
+        text = self.render(messages, system_prompt, tools, kwargs)
         if self.plain:
             return self.engine.tokenize(text)
         model, info = self.engine.target_model, self.engine.target_info
@@ -68,8 +105,13 @@ class PromptFormat:
         add_special = not (bos and text.startswith(bos))
         return model.tokenize(text, add_special=add_special, parse_special=True)
 
-    def prompt(self, text: str, system_prompt: str = "", raw: bool = False) -> list[int]:
+    def prompt(self, text: str, system_prompt: str = "", raw: bool = False,
+               kwargs: Mapping[str, object] | None = None) -> list[int]:
         """A one-shot prompt (`run`, `bench`): one user message through the template, or `text` as it is."""
         if raw or (self.plain and not system_prompt):
             return self.raw(text)
-        return self.tokens([ChatMessage("user", text)], system_prompt)
+        return self.tokens([ChatMessage("user", text)], system_prompt, kwargs=kwargs)
+
+
+class ThinkingError(ChatTemplateError):
+    """Thinking asked off where the model's template cannot turn it off."""

@@ -49,12 +49,33 @@ def token_style(tok: Token, palette: Palette = ANSI) -> str:
 
 
 class TextView:
-    """Streams output text to a terminal; with colour on, also the rejected drafts."""
+    """Streams output text to a terminal; with colour on, also the rejected drafts. A thinking model's reasoning
+    goes to `reasoning` (stderr), dimmed, and the answer to `out`; None hides the reasoning."""
 
-    def __init__(self, out: IO[str], color: bool) -> None:
+    def __init__(self, out: IO[str], color: bool, reasoning: IO[str] | None = None) -> None:
         self.color = color
         self.out = out
         self.console = Console(file=out, force_terminal=color, no_color=not color, highlight=False, soft_wrap=True)
+        self.reasoning = reasoning
+        self._thought = ""  # reasoning shown so far
+        self._answered = False
+        if reasoning is not None:
+            self.thinking = Console(file=reasoning, force_terminal=color, no_color=not color, highlight=False,
+                                    soft_wrap=True)
+
+    def _think(self, text: str) -> None:
+        if self.reasoning is None or not text:
+            return
+        self._thought += text
+        self.thinking.print(Text(text, style="dim italic"), end="")
+        self.reasoning.flush()
+
+    def _end_thinking(self) -> None:
+        """The answer starts: the reasoning's line ends first, so that the answer starts on its own."""
+        if not self._answered and self._thought and self.reasoning is not None:
+            self.reasoning.write("\n\n")
+            self.reasoning.flush()
+        self._answered = True
 
     def show_prompt(self, prompt: str) -> None:
         """The prompt, dimmed, before the completion (the demo shows what it continues)."""
@@ -68,12 +89,25 @@ class TextView:
         if isinstance(event, Token):
             if event.kind == REJECTED and not self.color:
                 return  # without colour a rejected draft would read as output
+            if event.kind == REJECTED and event.channel == "reasoning":
+                if self.reasoning is not None:
+                    self.thinking.print(Text(event.text, style=token_style(event)), end="")
+                return
+            self._think(event.reasoning)
+            if not event.text:
+                return
+            self._end_thinking()
             if self.color:
                 self.console.print(Text(event.text, style=token_style(event)), end="")
             else:
                 self.out.write(event.text)
             self.out.flush()
         elif isinstance(event, Done):
+            self._think(event.reasoning[len(self._thought):])
+            if event.tail:
+                self._end_thinking()
+            elif self._thought and not self._answered and self.reasoning is not None:
+                self.reasoning.write("\n")
             self.out.write(event.tail + "\n")
             self.out.flush()
 
@@ -90,7 +124,9 @@ def event_json(event: Event, parse: bool = False) -> str:
         }
     elif isinstance(event, Token):
         obj = {"type": "token", "id": event.id, "text": event.text, "kind": event.kind, "correction": event.correction,
-               "source": event.source}
+               "source": event.source, "channel": event.channel}
+        if event.reasoning:
+            obj["reasoning"] = event.reasoning
         if event.logprob is not None:
             obj["logprob"] = event.logprob
     elif isinstance(event, StepEnd):
@@ -104,6 +140,7 @@ def event_json(event: Event, parse: bool = False) -> str:
             "reason": event.reason,
             "tokens": list(event.tokens),
             "text": event.text,
+            "reasoning": event.reasoning,
             "stats": event.stats.as_dict(),
         }
         if event.error:

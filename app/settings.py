@@ -55,6 +55,9 @@ class Settings:
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target (HOST:PORT each)
     memory: bool = True  # the speculation memory (backends.memory): consulted and updated
     memory_size: int = MEMORY_TOKENS  # its bound, in tokens
+    # A thinking model thinks before it answers (its template's enable_thinking); its budget is
+    # params.reasoning_budget (backends.reasoning).
+    thinking: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -113,6 +116,8 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "seed": ("params.seed",),
     "stop": ("params.stop",),
     "ignore_eos": ("params.ignore_eos",),
+    "thinking": ("thinking",),
+    "reasoning_budget": ("params.reasoning_budget",),
     "memory": ("memory",),
     "memory_size": ("memory_size",),
     "ctx_size": ("n_ctx",),

@@ -123,3 +123,39 @@ def server(tiny: TinyFiles, tmp_path_factory: pytest.TempPathFactory):
                           tmp_path_factory.mktemp("serve") / "server.log")
     yield served
     stop_server(served)
+
+
+@dataclass(frozen=True)
+class ThinkingFiles:
+    qwq: Path  # SmolLM2-Instruct with QwQ's original template: the generation prompt opens the <think> block
+    qwen3: Path  # with Qwen3's template: the model opens the block itself; enable_thinking turns it off
+    draft: Path  # the SmolLM2 draft (its template is not read)
+
+
+def repack_with_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of a GGUF with its chat template replaced (gguf's own gguf_new_metadata does the copying)."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE]
+    writer = gguf.GGUFWriter(dst, arch=bytes(arch.parts[arch.data[0]]).decode(), endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(
+        gguf.GGUFValueType.STRING, template)}, [])
+    return dst
+
+
+@pytest.fixture(scope="session")
+def thinking_models(instruct_pair, tmp_path_factory: pytest.TempPathFactory) -> ThinkingFiles:
+    """The SmolLM2 instruct model re-packed with thinking templates from llama.cpp's models/templates
+    (tests/data/templates). llama.cpp's copy of QwQ's template takes enable_thinking; QwQ's own does not: its
+    lines that read it are dropped, which gives the original (it always opens the block)."""
+    d = tmp_path_factory.mktemp("thinking")
+    templates = Path(__file__).parent / "data" / "templates"
+    qwq = "".join(line for line in (templates / "Qwen-QwQ-32B.jinja").read_text().splitlines(keepends=True)
+                  if "enable_thinking" not in line)
+    assert "'<|im_start|>assistant\\n<think>\\n'" in qwq and "enable_thinking" not in qwq
+    qwen3 = (templates / "Qwen-Qwen3-0.6B.jinja").read_text()
+    return ThinkingFiles(qwq=repack_with_template(instruct_pair.target, d / "smollm2-qwq.gguf", qwq),
+                         qwen3=repack_with_template(instruct_pair.target, d / "smollm2-qwen3.gguf", qwen3),
+                         draft=instruct_pair.draft)
