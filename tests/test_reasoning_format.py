@@ -1,0 +1,282 @@
+"""The reasoning splitter and thinking-format detection, against llama.cpp's own expectations.
+
+The parse cases come from llama.cpp's tests/test-chat.cpp (the copy vendored in
+llama-cpp-python 0.3.36; each case cites its line): the model's output (the
+text after the generation prompt) in, the reasoning_content and content that
+test-chat.cpp expects with reasoning_format auto or deepseek out, for the tag
+formats backends/reasoning.py knows: `<think>` (Qwen3.5, QwQ, Nemotron 3,
+DeepSeek R1/V3.x, GLM-4.7, Granite 3.3, LFM2.5, MiniMax-M2, Reka, StepFun,
+Ling, MiniCPM5), `[THINK]` (Ministral/Magistral), `<|START_THINKING|>` (Command
+R7B, Cohere2 MoE), `<seed:think>` (Seed-OSS) and Gemma 4's `<|channel>thought`.
+A case whose template opens the block in its generation prompt ("forced open":
+test-chat.cpp's input starts after the tag) runs the splitter opened.
+test-chat.cpp compares with surrounding whitespace stripped
+(assert_msg_equals(..., true), line 1191/1197); the splitter trims the
+reasoning and the answer's start, so the expectations here are those strings
+stripped (only line 3983's "REASONING\n" changes).
+
+Every case is also streamed: one character at a time and in seeded random
+chunks through Splitter.push, then flush(): the pieces joined give the same
+reasoning and content (test-chat.cpp's harness does the same with prefixes,
+lines 1167-1195).
+
+Not taken from test-chat.cpp, as things the splitter does not do:
+- cases with tool calls (`.tools(...)`) or a response format (`.json_schema(...)`): they parse the answer further;
+- reasoning_format none cases (no splitting: the tags stay in the content);
+- continuation cases (`continue_final_message`): the prefilled reasoning is the request's, not the output's;
+- Gemma 4's stray-tag edge cases (lines 3155-3177: channel tags repeated after the answer or doubled before
+  the block, which its dedicated parser drops);
+- formats with tags specchat does not split: gpt-oss harmony channels, Kimi-K3's <|close|>think<|sep|>,
+  MiniMax-M3's <mm:think>, Apriel's [BEGIN FINAL RESPONSE].
+Kept with a difference: Command R7B and Cohere2 MoE wrap the answer in <|START_RESPONSE|>/<|START_TEXT|>
+markers that llama.cpp's parsers remove; the splitter leaves them in the content, so those cases expect
+test-chat.cpp's content inside its markers. The content-only cases marked "(none)" run under reasoning_format
+none there: an output with no tag splits the same under auto. test-chat.cpp has no unclosed-block case for a
+tag format; the unclosed cases cite Kimi-K3's (line 4889, whose input has no tag at all) and chat.cpp's
+lenient parse (line 1465: an until() at the end of the input matches it).
+
+Detection: the templates from llama.cpp's models/templates (copied into tests/data/templates) rendered
+through app.chat_template.render_chat with enable_thinking true and false; the expected tags, `opened` and
+`can_disable` are read from the templates' generation prompts (and test-chat.cpp's
+test_template_generation_prompt, lines 6942-7245), which the test checks too.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from app.chat_template import ChatMessage, render_chat
+from backends.reasoning import ReasoningFormat, Splitter, detect_format, split
+
+THINK = ReasoningFormat("<think>", "</think>")
+THINK_OPEN = ReasoningFormat("<think>", "</think>", opened=True)
+MISTRAL = ReasoningFormat("[THINK]", "[/THINK]")
+R7B = ReasoningFormat("<|START_THINKING|>", "<|END_THINKING|>")
+R7B_OPEN = ReasoningFormat("<|START_THINKING|>", "<|END_THINKING|>", opened=True)
+SEED = ReasoningFormat("<seed:think>", "</seed:think>")
+GEMMA4 = ReasoningFormat("<|channel>thought", "<channel|>")
+
+# test-chat.cpp's messages (lines 1030-1081)
+THOUGHTS = "I'm\nthinking"  # message_assist_thoughts' reasoning
+ANSWER = "Hello, world!\nWhat's up?"  # message_assist's content
+
+
+@dataclass(frozen=True)
+class Case:
+    line: int  # in test-chat.cpp
+    fmt: ReasoningFormat
+    text: str
+    reasoning: str
+    content: str
+
+    def __str__(self) -> str:
+        return f"L{self.line}-{self.fmt.start}{'-open' if self.fmt.opened else ''}"
+
+
+CASES = [
+    # <think> families
+    Case(2150, THINK_OPEN, "I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", THOUGHTS, ANSWER),  # Qwen3.5
+    Case(2699, THINK, "Hello, world!\nWhat's up?", "", ANSWER),  # Nemotron 3 Nano, enable_thinking false
+    Case(2710, THINK_OPEN, "I'm\nthinking\n</think>\nHello, world!\nWhat's up?", THOUGHTS, ANSWER),  # Nemotron 3
+    Case(3299, THINK_OPEN, "Let me think about this...\n</think>\nThe answer is 42.",  # QwQ
+         "Let me think about this...", "The answer is 42."),
+    Case(3305, THINK_OPEN, "</think>Hello, world!", "", "Hello, world!"),  # QwQ: empty reasoning
+    Case(3369, THINK, "Hello, world!\nWhat's up?", "", ANSWER),  # Granite 3.3 (none)
+    Case(3371, THINK, "<think>I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # Granite 3.3
+    Case(3983, THINK_OPEN, "REASONING</think>\nCONTENT", "REASONING", "CONTENT"),  # DeepSeek V3.1
+    Case(3992, THINK, "CONTENT", "", "CONTENT"),  # DeepSeek V3.1, enable_thinking false
+    Case(4008, THINK, "Hello, world!\nWhat's up?", "", ANSWER),  # DeepSeek V3.2, enable_thinking false
+    Case(4015, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # DeepSeek V3.2
+    Case(4241, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # DeepSeek V4
+    Case(4404, THINK, "Hello, world!\nWhat's up?", "", ANSWER),  # GLM-4.7-Flash, enable_thinking false (none)
+    Case(4411, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # GLM-4.7-Flash
+    Case(4725, THINK, "Here is the answer.\nNo think block at all.", "",  # Ling 3.0, enable_thinking false
+         "Here is the answer.\nNo think block at all."),
+    Case(5270, THINK, "<think>I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # LFM2.5, off
+    Case(5443, THINK_OPEN, "\n</think>\n\nHello, world!\nWhat's up?", "", ANSWER),  # MiniMax-M2: empty
+    Case(5445, THINK_OPEN, "I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", THOUGHTS, ANSWER),  # MiniMax-M2
+    Case(5990, THINK_OPEN, "</think>Hello, world!\nWhat's up?", "", ANSWER),  # R1 Distill Llama: empty
+    Case(5994, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # R1 Distill Llama
+    Case(6024, THINK_OPEN, "</think>Hello, world!\nWhat's up?", "", ANSWER),  # llama.cpp's deepseek-r1
+    Case(6025, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # ibid.
+    Case(6063, THINK_OPEN, "</think>Hello, world!\nWhat's up?", "", ANSWER),  # R1 Distill Qwen: empty
+    Case(6066, THINK_OPEN, "I'm\nthinking</think>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),  # R1 Distill Qwen
+    Case(6129, THINK_OPEN, "I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", THOUGHTS, ANSWER),  # Reka Edge
+    Case(6607, THINK_OPEN, "I was thinking\n</think>\nNow I'm not.", "I was thinking", "Now I'm not."),  # StepFun
+    Case(6874, THINK, "Hello, world!\nWhat's up?", "", ANSWER),  # MiniCPM5, enable_thinking false
+    # [THINK] (Ministral 3 Reasoning / Magistral)
+    Case(2604, MISTRAL, "Hello, world!\nWhat's up?", "", ANSWER),  # (none)
+    Case(2611, MISTRAL, "[THINK]I'm\nthinking[/THINK]Hello, world!\nWhat's up?", THOUGHTS, ANSWER),
+    # Command R7B (content keeps its response markers: see the docstring)
+    Case(2824, R7B, "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?"
+         "<|END_RESPONSE|>", THOUGHTS, "<|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>"),
+    Case(2877, R7B_OPEN, "I'm\nthinking<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>",  # Cohere2
+         THOUGHTS, "<|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>"),
+    Case(2888, R7B_OPEN, "<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>", "",  # Cohere2: empty
+         "<|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>"),
+    # Seed-OSS
+    Case(3447, SEED, "Hello, world!\nWhat's up?", "", ANSWER),  # (none)
+    Case(3449, SEED, "<seed:think>I'm thinking about the answer</seed:think>\nHello, world!",
+         "I'm thinking about the answer", "Hello, world!"),
+    # Gemma 4
+    Case(2994, GEMMA4, "Hello, world!", "", "Hello, world!"),  # (none)
+    Case(2997, GEMMA4, "<|channel>thought\nI'm\nthinking<channel|>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),
+    Case(3004, GEMMA4, "<|channel>thought<channel|>Hello, world!\nWhat's up?", "", ANSWER),  # empty reasoning
+    # Unclosed at the end: all reasoning (Kimi-K3's case, 4889; then chat.cpp:1465's lenient parse with a tag)
+    Case(4889, THINK_OPEN, "I was still thinking when the budget ran out",
+         "I was still thinking when the budget ran out", ""),
+    Case(4889, THINK, "<think>I'm\nthinking", THOUGHTS, ""),
+    Case(4889, MISTRAL, "[THINK]I'm\nthinking\n", THOUGHTS, ""),
+    Case(4889, GEMMA4, "<|channel>thought\nI'm\nthinking", THOUGHTS, ""),
+]
+
+
+def _streamed(fmt: ReasoningFormat, pieces: list[str]) -> tuple[str, str]:
+    """The splitter fed `pieces`, then flushed: its released pieces joined (and checked against its totals)."""
+    s = Splitter(fmt)
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = s.push(piece)
+        reasoning += r
+        content += c
+    r, c = s.flush()
+    reasoning += r
+    content += c
+    assert (s.reasoning, s.content) == (reasoning, content), "the totals differ from the released pieces"
+    return reasoning, content
+
+
+def _chunks(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(len(text) - 1, 8)))) if len(text) > 1 else []
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_split_whole(case: Case) -> None:
+    assert split(case.fmt, case.text) == (case.reasoning, case.content)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_split_one_character_at_a_time(case: Case) -> None:
+    assert _streamed(case.fmt, list(case.text)) == (case.reasoning, case.content)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_split_random_chunks(case: Case) -> None:
+    rng = random.Random(f"{case.line}:{case.text}")
+    for _ in range(25):
+        pieces = _chunks(case.text, rng)
+        assert _streamed(case.fmt, pieces) == (case.reasoning, case.content), pieces
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.fmt.opened], ids=str)
+def test_opened_argument_overrides_the_format(case: Case) -> None:
+    """Splitter(fmt, opened=True) reads a forced-open output: the same case less its start tag, where it has one."""
+    body = case.text.lstrip()
+    if not body.startswith(case.fmt.start):
+        pytest.skip("no start tag: the output does not think")
+    s = Splitter(case.fmt, opened=True)
+    s.push(body[len(case.fmt.start):])
+    s.flush()
+    assert (s.reasoning, s.content) == (case.reasoning, case.content)
+
+
+# --- template detection ---
+
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+
+
+@dataclass(frozen=True)
+class TemplateCase:
+    name: str
+    bos: str
+    eos: str
+    on_tail: str  # the end of the prompt with enable_thinking true: the generation prompt (and what precedes it)
+    off_tail: str  # the same with enable_thinking false
+    expected: ReasoningFormat | None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+TEMPLATE_CASES = [
+    # generation prompt: "<|im_start|>assistant\n", and "<think>\n\n</think>\n\n" when enable_thinking is false
+    TemplateCase("Qwen-Qwen3-0.6B", "", "<|im_end|>", "<|im_start|>assistant\n",
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True)),
+    # test-chat.cpp:7001: "<|im_start|>assistant\n<think>\n" (forced open); off: "<think>\n\n</think>\n\n"
+    TemplateCase("Qwen3.5-4B", "", "<|im_end|>", "<|im_start|>assistant\n<think>\n",
+                 "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True)),
+    # llama.cpp's QwQ: "<|im_start|>assistant\n<think>\n", then "</think>" if not enable_thinking
+    TemplateCase("Qwen-QwQ-32B", "", "<|im_end|>", "<|im_start|>assistant\n<think>\n",
+                 "<|im_start|>assistant\n<think>\n</think>",
+                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True)),
+    # llama.cpp's R1 distill: "<｜Assistant｜><think>\n", then "</think>" if not enable_thinking
+    TemplateCase("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                 "<｜Assistant｜><think>\n", "<｜Assistant｜><think>\n</think>",
+                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True)),
+    # "/think": "<|im_start|>assistant\n"; "/no_think": "<|im_start|>assistant\n<think>\n\n</think>\n"
+    # (its /think system prompt quotes "<think> Thought section </think>", closed)
+    TemplateCase("HuggingFaceTB-SmolLM3-3B", "", "<|im_end|>", "<|im_start|>assistant\n",
+                 "<|im_start|>assistant\n<think>\n\n</think>\n",
+                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True)),
+    # test-chat.cpp:7013: "<|turn>model\n"; off: "<|channel>thought\n<channel|>" after it
+    TemplateCase("google-gemma-4-31B-it", "<bos>", "<eos>", "<|turn>model\n",
+                 "<|turn>model\n<|channel>thought\n<channel|>",
+                 ReasoningFormat("<|channel>thought", "<channel|>", opened=False, can_disable=True)),
+    # test-chat.cpp:7008: no generation prompt; the template has no enable_thinking (its default system prompt
+    # quotes "[THINK]...[/THINK]", closed)
+    TemplateCase("mistralai-Ministral-3-14B-Reasoning-2512", "<s>", "</s>", "[INST]Hey there![/INST]",
+                 "[INST]Hey there![/INST]", ReasoningFormat("[THINK]", "[/THINK]", opened=False, can_disable=False)),
+    # test-chat.cpp:7005: "<|start|>assistant". Harmony channels (<|channel|>analysis<|message|>…<|end|>):
+    # specchat does not split them yet, so no format.
+    TemplateCase("openai-gpt-oss-120b", "<|startoftext|>", "<|return|>", "<|start|>assistant",
+                 "<|start|>assistant", None),
+    # not a thinking model
+    TemplateCase("Qwen-Qwen2.5-7B-Instruct", "", "<|im_end|>", "<|im_start|>assistant\n",
+                 "<|im_start|>assistant\n", None),
+]
+
+
+def _renderer(case: TemplateCase):
+    template = (TEMPLATES / f"{case.name}.jinja").read_text(encoding="utf-8")
+    messages = [ChatMessage("user", "Hey there!")]  # test-chat.cpp's message_user
+
+    def render(kwargs: dict) -> str:
+        return render_chat(template, messages, case.bos, case.eos, kwargs=kwargs)
+
+    return template, render
+
+
+@pytest.mark.parametrize("case", TEMPLATE_CASES, ids=str)
+def test_generation_prompts(case: TemplateCase) -> None:
+    """The premise of the expectations below: the prompts end as read from the templates."""
+    _, render = _renderer(case)
+    on, off = render({"enable_thinking": True}), render({"enable_thinking": False})
+    assert on.endswith(case.on_tail), on[-200:]
+    assert off.endswith(case.off_tail), off[-200:]
+    assert render({}) == on  # enable_thinking defaults to true, as in llama.cpp
+
+
+@pytest.mark.parametrize("case", TEMPLATE_CASES, ids=str)
+def test_detect_format(case: TemplateCase) -> None:
+    template, render = _renderer(case)
+    assert detect_format(template, render) == case.expected
+
+
+@pytest.mark.parametrize("case", [c for c in TEMPLATE_CASES if c.expected is not None], ids=str)
+def test_detected_format_splits_its_own_generation(case: TemplateCase) -> None:
+    """What a model would write after each template's prompt, split with the detected format."""
+    template, render = _renderer(case)
+    fmt = detect_format(template, render)
+    assert fmt is not None
+    body = f"{THOUGHTS}{fmt.end}\n\n{ANSWER}"
+    text = body if case.expected.opened else f"{fmt.start}\n{body}"
+    assert split(fmt, text) == (THOUGHTS, ANSWER)
+    assert _streamed(fmt, list(text)) == (THOUGHTS, ANSWER)
