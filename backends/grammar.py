@@ -60,6 +60,34 @@ class GrammarError(ValueError):
     """A schema or grammar that cannot be compiled: the user's mistake, said in one line."""
 
 
+# A JSON schema is read as llama-server reads it (common/json-schema.cpp, json-schema-to-grammar.cpp), where
+# llguidance's defaults differ and let a small model write forever:
+#  - an integer or number without bounds has at most 16 digits before its point (llama.cpp: [1-9] [0-9]{0,15}):
+#    llguidance lets an unbounded integer grow, and SmolLM2 at temperature 0 writes `1111…` until max_tokens;
+#  - an object with `properties` and no `additionalProperties` has only those (llama.cpp's default; llguidance
+#    allows others, and the same model then adds keys until max_tokens).
+NUMBER_BOUND = 10**16 - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, not subschemas: left as they are
+
+
+def llama_server_schema(schema: object) -> object:
+    """A copy of a JSON schema with llama-server's defaults made explicit: numbers without bounds bounded to
+    NUMBER_BOUND, objects with properties closed to others."""
+    if isinstance(schema, list):
+        return [llama_server_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _NOT_SCHEMAS else llama_server_schema(v)) for k, v in schema.items()}
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if ("integer" in kinds or "number" in kinds) and not any(b in schema for b in _BOUNDS):
+        out["minimum"], out["maximum"] = -NUMBER_BOUND, NUMBER_BOUND
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(kind: GrammarKind, source: str | dict) -> str:
     """llguidance's grammar for a JSON schema (a dict or its text), any JSON object, GBNF, Lark or a regex."""
     try:
@@ -69,7 +97,7 @@ def grammar_text(kind: GrammarKind, source: str | dict) -> str:
             schema = json.loads(source) if isinstance(source, str) else source
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be a JSON object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            return llguidance.LLMatcher.grammar_from_json_schema(llama_server_schema(schema), defaults=JSON_LAYOUT)
         assert isinstance(source, str)
         if kind == "gbnf":
             try:
