@@ -258,6 +258,10 @@ class Thinking:
         fmt = params.reasoning
         assert fmt is not None
         splitter = Splitter(fmt)
+        # A tag that is one control token renders as nothing (LlamaModel.piece): its text is put back for the
+        # splitter (the end tag then ends the thinking phase only at the answer's end, not as a stop string).
+        invisible = {ids[0]: tag for tag in (fmt.start, fmt.end)
+                     if len(ids := self._tokens(tag)) == 1 and not self.model.piece(ids[0])}
         ends: list[Done] = []
         waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
         prefilled = [False]
@@ -267,7 +271,7 @@ class Thinking:
                 if event.kind == "rejected":
                     yield replace(event, channel=splitter.channel)
                     return
-                reasoning, content = splitter.push(event.text)
+                reasoning, content = splitter.push(event.text or invisible.get(event.id, ""))
                 yield replace(event, text=content, reasoning=reasoning, channel=splitter.channel)
             elif isinstance(event, Done):
                 ends.append(event)
