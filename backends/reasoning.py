@@ -295,7 +295,7 @@ class Thinking:
         cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
         first: Done | None = None
         if cap > 0:
-            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None)
+            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True)
             yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
             first = ends[-1]
             splitter.push(first.tail)  # held back as a stop string's possible start: still text (Done carries it)

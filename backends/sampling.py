@@ -51,6 +51,8 @@ class GenParams:
     reasoning: ReasoningFormat | None = None
     reasoning_budget: int | None = None
     reasoning_message: str = ""
+    # Set by backends.reasoning on the thinking phase of an answer: what `auto` learns there is kept apart.
+    reasoning_phase: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -174,3 +174,13 @@ def test_run_no_think_on_a_template_that_cannot_is_one_line(thinking_models) -> 
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot turn thinking off" in lines[0] and "Traceback" not in out.stderr
+
+
+def test_auto_learns_the_thinking_apart_from_the_answers(qwq) -> None:
+    """The thinking phase keeps its own learnt state ("greedy.reasoning"), beside the answers' ("greedy")."""
+    prompt, fmt = _prompt(qwq)
+    qwq.auto_states = {}
+    _run(qwq, "auto", GenParams(max_tokens=40, reasoning=fmt, reasoning_budget=16), prompt)
+    assert {"greedy", "greedy.reasoning"} <= set(qwq.auto_states)
+    thinking, answer = qwq.auto_states["greedy.reasoning"], qwq.auto_states["greedy"]
+    assert thinking is not answer and thinking.to_json() != answer.to_json()

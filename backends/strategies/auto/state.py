@@ -155,8 +155,11 @@ def sampling_mode(params: GenParams) -> str:
     """Which of an engine's learnt states a generation uses: "greedy" or "sampled". Acceptance differs most
     between them (a draft can pay greedy and lose when sampling), so each learns its own: runs at 0.8 that
     started from a state learnt greedily were slower than from one learnt at 0.8 (docs/results.md, "Figures
-    behind design choices"; tests/perf/auto_kept.py modes)."""
-    return "greedy" if params.greedy else "sampled"
+    behind design choices"; tests/perf/auto_kept.py modes). A thinking model's thinking (backends.reasoning's
+    first phase) learns apart from its answers too: long, self-repeating text that quotes the question, where
+    lookups and the memory pay unlike in an answer ("greedy.reasoning", "sampled.reasoning")."""
+    mode = "greedy" if params.greedy else "sampled"
+    return f"{mode}.reasoning" if params.reasoning_phase else mode
 
 
 @dataclass
