@@ -30,6 +30,19 @@ class CatalogModel:
     sizes_gb: tuple[tuple[str, float], ...]  # (quant, GB), largest first
     kv_gb: float
     notes: str
+    # A thinking model's tags (start, end) and whether its template turns thinking off; () for one that does not
+    # think (backends.reasoning finds the same from the file's template at load).
+    thinking: tuple[str, ...] = ()
+    thinking_can_disable: bool = False
+
+    @property
+    def thinking_note(self) -> str:
+        """In words, for listings: '' for a model that does not think."""
+        if not self.thinking:
+            return ""
+        off = "--no-think / F4 turn it off" if self.thinking_can_disable else "it cannot be turned off; bound it " \
+            "with --reasoning-budget"
+        return f"thinks before answering ({self.thinking[0]}…{self.thinking[1]}; {off})"
 
     @property
     def quants(self) -> tuple[str, ...]:
@@ -92,7 +105,11 @@ def _model(alias: str, raw: dict[str, Any]) -> CatalogModel:
     model = CatalogModel(
         alias=alias, repo=raw["repo"], file=raw["file"], default_quant=raw["default_quant"],
         sizes_gb=tuple((q, float(gb)) for q, gb in sizes), kv_gb=float(raw["kv_gb"]), notes=raw.get("notes", ""),
+        thinking=tuple(raw.get("thinking", {}).get("tags", ())),
+        thinking_can_disable=bool(raw.get("thinking", {}).get("can_disable", False)),
     )
+    if model.thinking and len(model.thinking) != 2:
+        raise ValueError(f"catalog model {alias}: thinking tags are a start and an end tag")
     if "{quant}" not in model.file or model.default_quant not in model.quants:
         raise ValueError(f"catalog model {alias}: file needs {{quant}} and default_quant must be listed in sizes_gb")
     return model

@@ -315,3 +315,18 @@ def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() 
     done = events[-1]
     assert (done.reasoning, done.text) == ("plan", "answer")
     assert [e.channel for e in events if isinstance(e, Token)] == ["reasoning", "reasoning", "content", "content"]
+
+
+def test_the_catalogs_thinking_models_say_what_their_templates_say() -> None:
+    """The catalog's Qwen3 models declare their thinking (tags, can be turned off): the same as detect_format
+    finds in Qwen3's template (llama.cpp's copy, tests/data/templates)."""
+    from models.catalog import load_catalog
+
+    template = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+    fmt = detect_format(template, lambda kw: render_chat(template, [ChatMessage("user", "Hi")], "", "<|im_end|>",
+                                                         kwargs=kw))
+    declared = [m for m in load_catalog().models if m.thinking]
+    assert {m.alias for m in declared} >= {"qwen3-8b", "qwen3-0.6b"}
+    for m in declared:
+        assert (m.thinking, m.thinking_can_disable) == ((fmt.start, fmt.end), fmt.can_disable), m.alias
+        assert "--no-think" in m.thinking_note

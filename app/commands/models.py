@@ -153,6 +153,8 @@ def _pairs(args: argparse.Namespace) -> int:
         print(f"{pair.name}: ~{pair.ram_gb():.1f} GB RAM at the default quants, 4k context. {pair.notes}")
         print(_model_line("target", pair.target, width))
         print(_model_line("draft", pair.draft, width))
+        if pair.target.thinking_note:
+            print(f"  the target {pair.target.thinking_note}")
         print()
     print("pull a pair with `specchat models pull NAME`, one model with `specchat models pull ALIAS [--quant Q]`")
     return 0
