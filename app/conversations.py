@@ -1,7 +1,9 @@
 """Saved conversations: one JSON file per chat in the data dir, written atomically.
 
 A crash mid-save leaves the previous version intact (models.files.write_atomic);
-a file that cannot be read is skipped when listing, never fatal.
+a file that cannot be read is skipped when listing, never fatal. A thinking
+model's answer keeps its reasoning ("reasoning", written only when there is
+some: a file saved before it existed reads as answers without reasoning).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ class Conversation:
         return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
 
 
+def _message_dict(m: ChatMessage) -> dict[str, str]:
+    out = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        out["reasoning"] = m.reasoning
+    return out
+
+
 def new_conversation_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
@@ -48,14 +57,16 @@ class ConversationStore:
             "updated": conversation.updated,
             "model": conversation.model,
             "system_prompt": conversation.system_prompt,
-            "messages": [{"role": m.role, "content": m.content} for m in conversation.messages],
+            "messages": [_message_dict(m) for m in conversation.messages],
         }
         write_atomic(self.folder / f"{conversation.id}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
 
     def load(self, conversation_id: str) -> Conversation:
         data = json.loads((self.folder / f"{conversation_id}.json").read_text(encoding="utf-8"))
-        messages = tuple(ChatMessage(m["role"], m["content"]) for m in data["messages"])
-        if any(m.role not in ("user", "assistant", "system") or not isinstance(m.content, str) for m in messages):
+        messages = tuple(ChatMessage(m["role"], m["content"], reasoning=m.get("reasoning", ""))
+                         for m in data["messages"])
+        if any(m.role not in ("user", "assistant", "system") or not isinstance(m.content, str)
+               or not isinstance(m.reasoning, str) for m in messages):
             raise ValueError(f"conversation {conversation_id} has a malformed message")
         return Conversation(data["id"], data["updated"], data.get("model"), data.get("system_prompt", ""), messages)
 

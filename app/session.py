@@ -27,8 +27,8 @@ simple rule on random conversations).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Mapping, Sequence
 
 from app.chat_template import ChatMessage
 from app.prompt_format import PromptFormat
@@ -49,8 +49,9 @@ class TurnRequest:
     """How to generate one turn: applied per turn, so settings change between turns freely."""
 
     strategy: str
-    params: GenParams
+    params: GenParams  # params.reasoning_budget bounds a thinking model's thinking
     options: StrategyOptions
+    thinking: bool = True  # a thinking model thinks first (its template's enable_thinking)
 
 
 def estimated_cut(cost: Callable[[int], float], n_messages: int, new_cost: float, budget: float) -> int:
@@ -104,6 +105,7 @@ class ChatSession:
         self.format = PromptFormat(engine)
         self.messages: list[ChatMessage] = []
         self.dropped = 0  # messages of the last prompt left out because the context is full
+        self.kept: list[ChatMessage] = []  # the messages of the last prompt (the new one last)
         self._text_tokens: dict[str, int] = {}  # tokens of each message's text alone, counted once
         self._overhead = 0.0  # template tokens per message, learned from the last prompt
 
@@ -116,8 +118,11 @@ class ChatSession:
         self.messages = list(messages)
         self._text_tokens.clear()
 
-    def prompt_tokens(self, user_text: str, reserve: int = 0) -> list[int]:
-        """The conversation plus the new message, as the target will see it.
+    def prompt_tokens(self, user_text: str, reserve: int = 0, kwargs: Mapping[str, object] | None = None
+                      ) -> list[int]:
+        """The conversation plus the new message, as the target will see it (`kwargs`: the template's
+        variables, `PromptFormat.thinking_kwargs`). Earlier answers carry their reasoning back
+        (ChatMessage.reasoning): the template decides what of it the model reads.
 
         When it does not fit the context with `reserve` tokens left for the
         answer, the oldest turns are left out of the prompt (they stay in the
@@ -130,7 +135,7 @@ class ChatSession:
 
         def fits(k: int) -> bool:  # one real render and tokenization of a prompt about the context's size
             if k not in tried:
-                tried[k] = self._tokens([*history[2 * k:], user])
+                tried[k] = self._tokens([*history[2 * k:], user], kwargs)
             return k == last or len(tried[k]) + reserve <= n_ctx
 
         def cost(i: int) -> float:
@@ -139,7 +144,7 @@ class ChatSession:
         hint = estimated_cut(cost, len(history), self._text_cost(user_text) + self._overhead, n_ctx - reserve)
         k = first_fitting_cut(fits, hint, last)
         tokens = tried[k]
-        kept = [*history[2 * k:], user]
+        kept = self.kept = [*history[2 * k:], user]
         self._overhead = (len(tokens) - sum(self._text_cost(m.content) for m in kept)) / len(kept)
         self.dropped = min(2 * k, len(history))
         return tokens
@@ -149,22 +154,37 @@ class ChatSession:
             self._text_tokens[text] = len(self.engine.target_model.tokenize(text, add_special=False))
         return self._text_tokens[text]
 
-    def _tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return self.format.tokens(messages, self.system_prompt)
+    def _tokens(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, object] | None = None) -> list[int]:
+        return self.format.tokens(messages, self.system_prompt, kwargs=kwargs)
+
+    def request_params(self, user_text: str, request: TurnRequest) -> tuple[list[int], GenParams]:
+        """The turn's prompt and parameters. A thinking model's prompt is rendered with thinking on or off as
+        asked, and its output split into reasoning and answer (GenParams.reasoning) with the request's budget;
+        thinking asked off where its template cannot turn it off is a ThinkingError (a ChatTemplateError)."""
+        params, kwargs = request.params, None
+        if self.format.reasoning is not None:
+            kwargs = self.format.thinking_kwargs(request.thinking)
+        prompt = self.prompt_tokens(user_text, reserve=min(params.max_tokens, ANSWER_ROOM), kwargs=kwargs)
+        if kwargs is not None:
+            params = replace(params, reasoning=self.format.reasoning_for(self.kept, self.system_prompt, kwargs=kwargs))
+        return prompt, params
 
     def turn(self, user_text: str, request: TurnRequest, should_stop: Callable[[], bool] = never) -> Iterator[Event]:
         """Generate the answer; the turn joins the conversation unless it failed.
 
-        A cancelled answer is kept as far as it got (as chat apps do). Raises
-        PromptError (before any event) when the conversation no longer fits.
+        A cancelled answer is kept as far as it got (as chat apps do), its
+        reasoning with it. Raises PromptError (before any event) when the
+        conversation no longer fits, ThinkingError when thinking is asked off
+        where the model cannot turn it off.
         """
-        prompt = self.prompt_tokens(user_text, reserve=min(request.params.max_tokens, ANSWER_ROOM))
+        prompt, params = self.request_params(user_text, request)
         strategy = self.engine.strategy(request.strategy, request.options)
-        events = strategy.generate(prompt, request.params, should_stop)
+        events = strategy.generate(prompt, params, should_stop)
         for event in events:
             # Committed before Done is handed on: a consumer may stop iterating at Done.
             if isinstance(event, Done) and event.reason != "error":
-                self.messages += [ChatMessage("user", user_text), ChatMessage("assistant", event.text)]
+                self.messages += [ChatMessage("user", user_text),
+                                  ChatMessage("assistant", event.text, reasoning=event.reasoning)]
             yield event
 
 

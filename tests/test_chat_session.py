@@ -262,8 +262,8 @@ def test_a_long_conversation_costs_a_few_tokenizations_per_turn(small_context_en
     session.reset(random_conversation(rng, 600))
     calls: list[int] = []
     real_tokens = session.format.tokens
-    monkeypatch.setattr(session.format, "tokens", lambda messages, system="": calls.append(len(messages))
-                        or real_tokens(messages, system))
+    monkeypatch.setattr(session.format, "tokens", lambda messages, system="", **kw: calls.append(len(messages))
+                        or real_tokens(messages, system, **kw))
     per_turn = []
     for _ in range(20):
         calls.clear()

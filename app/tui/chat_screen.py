@@ -13,6 +13,9 @@ chat app answered far slower than `specchat run` (docs/results.md, "Figures
 behind design choices").
 Escape sets the cancel flag the strategy polls between target forwards; the
 partial answer is kept and the session stays usable.
+A thinking model's reasoning streams in a block of its own above the answer
+(app.tui.thinking); F7 turns thinking on or off (the `thinking` setting),
+Ctrl+O expands or folds the last answer's reasoning.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from textual.widgets import Footer, Header, Input, ProgressBar
 from app.conversations import Conversation, ConversationStore, new_conversation_id, now_iso
 from app.errors import describe
 from app.loading import open_engine
+from app.prompt_format import ThinkingError
 from app.session import ChatSession, TurnRequest, measure_plain_decoding
 from app.settings import CHAT_N_SEQ_MAX, Settings
 from app.tui.history_screen import HistoryScreen
@@ -42,6 +46,7 @@ from app.tui.stats_bar import StatsBar, turn_label
 from app.tui.messages import (BaselineMeasured, LoadFailed, LoadProgress, ModelLoaded, PromptDecoded, TokensArrived,
                               TurnFailed, TurnFinished)
 from app.tui.streaming import LiveStats, Pacer, stream_events
+from app.tui.thinking import answer_tail
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
 from backends.engine import Engine
@@ -63,6 +68,8 @@ class ChatScreen(Screen):
         Binding("f4", "settings", "Settings"),
         Binding("f5", "history", "Chats"),
         Binding("f6", "models", "Models"),
+        Binding("f7", "toggle_thinking", "Thinking"),
+        Binding("ctrl+o", "toggle_thoughts", "Thoughts", show=False),  # a click on the block does it too
         Binding("ctrl+n", "new_chat", "New chat"),
     ]
 
@@ -94,7 +101,7 @@ class ChatScreen(Screen):
         yield Transcript(id="transcript")
         yield StatsBar()
         yield Input(placeholder="Message (Enter to send)", id="prompt")
-        yield Footer()
+        yield Footer(compact=True)
 
     @property
     def transcript(self) -> Transcript:
@@ -208,7 +215,7 @@ class ChatScreen(Screen):
             return
         event.input.value = ""
         s = self.settings
-        request = TurnRequest(s.strategy, s.params, s.options)
+        request = TurnRequest(s.strategy, s.params, s.options, s.thinking)
         self.transcript.add(UserMessage(text))
         self._answer = AnswerView(s.speculation_view)
         self.transcript.add(self._answer)
@@ -222,6 +229,8 @@ class ChatScreen(Screen):
         try:
             self._on_engine_thread(lambda: stream_events(
                 request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message, self._pacer))
+        except ThinkingError as e:  # thinking off where the model cannot turn it off: what to do instead
+            self.post_message(TurnFailed(f"{e} (F7 turns thinking back on; F4 sets a Thinking budget)"))
         except Exception as e:  # a prompt that does not fit, a template error, a bad setting
             self.post_message(TurnFailed(describe(e)))
 
@@ -238,14 +247,16 @@ class ChatScreen(Screen):
     def on_tokens_arrived(self, message: TokensArrived) -> None:
         self._pacer.arrived()
         if self._answer is not None:
-            self._answer.add_tokens(message.tokens)
+            self._answer.add_tokens(message.tokens, message.thought)
         self.stats.show(live=message.live)
 
     def on_turn_finished(self, message: TurnFinished) -> None:
         done = self.last_done = message.done
         self.generating = False
         if self._answer is not None:
-            self._answer.finish(done.tail)
+            # A thinking that never ended (no answer, or cancelled) took the whole turn.
+            self._answer.finish(answer_tail(self._answer.output_text, done), done.reasoning,
+                                done.stats.decode_seconds)
         stats = done.stats
         if stats.strategy == "ar" and done.reason != "error" and stats.generated_tokens >= 8:
             self._plain_speeds.append(stats.tokens_per_second)
@@ -303,6 +314,17 @@ class ChatScreen(Screen):
 
     def action_toggle_view(self) -> None:
         self._change_settings(replace(self.settings, speculation_view=not self.settings.speculation_view))
+
+    def action_toggle_thinking(self) -> None:
+        self._change_settings(replace(self.settings, thinking=not self.settings.thinking))
+        self.notify(f"thinking: {'on' if self.settings.thinking else 'off'} (from the next turn; "
+                    "for a model that thinks)")
+
+    def action_toggle_thoughts(self) -> None:
+        """Expand or fold the reasoning of the last answer that has one."""
+        for answer in reversed(self.transcript.answers()):
+            if answer.toggle_thinking():
+                return
 
     def action_settings(self) -> None:
         self.app.push_screen(SettingsScreen(self.settings), self._settings_done)
@@ -368,7 +390,7 @@ class ChatScreen(Screen):
             elif m.role == "assistant":
                 answer = AnswerView(self.settings.speculation_view)
                 self.transcript.add(answer)
-                answer.finish(m.content)
+                answer.finish(m.content, m.reasoning)
         self.conversation_id = conversation.id
         self.session.system_prompt = conversation.system_prompt
         self.session.reset([m for m in conversation.messages if m.role != "system"])

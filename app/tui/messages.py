@@ -48,10 +48,13 @@ class TurnFailed(Message):
 
 
 class TokensArrived(Message):
-    def __init__(self, tokens: tuple[Token, ...], live: "LiveStats") -> None:
+    """A batch of tokens; `thought`: the seconds a thinking model thought, once its answer has started."""
+
+    def __init__(self, tokens: tuple[Token, ...], live: "LiveStats", thought: float | None = None) -> None:
         super().__init__()
         self.tokens = tokens
         self.live = live
+        self.thought = thought
 
 
 class PromptDecoded(Message):

@@ -1,4 +1,4 @@
-"""The settings panel: models, strategy and its knobs, sampling, system prompt.
+"""The settings panel: models, strategy and its knobs, sampling, thinking, system prompt.
 
 Each field names a path into `app.settings.Settings` (e.g.
 `options.sps.draft_max`). The strategies' rows, their labels and the words
@@ -36,12 +36,16 @@ HEAD_FIELDS: tuple[tuple[str, str], ...] = (
     ("params.seed", "Seed"),
 )
 TAIL_FIELDS: tuple[tuple[str, str], ...] = (
+    ("thinking", "Thinking"),  # a thinking model thinks before it answers
+    ("params.reasoning_budget", "Thinking budget"),  # tokens; empty: no bound
     ("system_prompt", "System prompt"),
     ("n_ctx", "Context size"),
     ("speculation_view", "Speculation view"),
 )
-# Fields that may be left empty (None): an empty seed means a random one.
-OPTIONAL = frozenset({"target", "draft", "params.seed"})
+# Fields that may be left empty (None): an empty seed means a random one, an empty thinking budget no bound.
+OPTIONAL = frozenset({"target", "draft", "params.seed", "params.reasoning_budget"})
+# Whole numbers whose value may be None (so the current value's type cannot say).
+OPTIONAL_INTS = frozenset({"params.seed", "params.reasoning_budget"})
 
 
 def strategy_rows(settings: Settings) -> dict[str, Knob]:
@@ -67,7 +71,7 @@ def parse_value(path: str, text: str, current: Any, knob: Knob | None = None) ->
     text = text.strip()
     if path in OPTIONAL and not text:
         return None
-    if path == "params.seed" or (isinstance(current, int) and not isinstance(current, bool)):
+    if path in OPTIONAL_INTS or (isinstance(current, int) and not isinstance(current, bool)):
         return _number(int, text)
     if isinstance(current, float):
         return _number(float, text)

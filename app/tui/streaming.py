@@ -6,7 +6,9 @@ generation. Tokens are collected and posted at most every `interval` seconds,
 always at a step boundary, plus once at the end. Live stats come from the same
 stream (StepEnd carries drafted/accepted per target forward), so the bar moves
 while the answer streams, in the same frame as the text; the final figures are
-`Done.stats`.
+`Done.stats`. For a thinking model, the batch in which the answer starts
+(its first token after the reasoning's) carries how long the thinking took,
+timed here per token, not per batch.
 
 Every UI update costs CPU that llama.cpp's threads wait for: on a 2-core
 laptop each frame preempts a compute thread, and generation loses about twice
@@ -124,6 +126,8 @@ def stream_events(
     generated = drafted = accepted = forwards = 0
     by_source: dict[str, int] = {}
     why = ""
+    thinking = False  # a reasoning token has come
+    thought: float | None = None  # the seconds until the answer's first token, after the reasoning's
     started = last_post = clock()
     for event in events:
         if isinstance(event, Token):
@@ -131,6 +135,9 @@ def stream_events(
             if event.kind != REJECTED:
                 generated += 1
                 by_source[event.source] = by_source.get(event.source, 0) + 1
+                thinking = thinking or event.channel == "reasoning" or bool(event.reasoning)
+                if thinking and thought is None and event.channel == "content":
+                    thought = clock() - started
         elif isinstance(event, StepEnd):
             forwards += 1
             drafted += event.drafted
@@ -140,14 +147,14 @@ def stream_events(
             if pending and now - last_post >= interval():
                 live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started,
                                  tuple(by_source.items()), why)
-                post(TokensArrived(tuple(pending), live))
+                post(TokensArrived(tuple(pending), live, thought))
                 pending, last_post = [], now
         elif isinstance(event, Prefilled):
             started = last_post = clock()
             post(PromptDecoded(event))
         elif isinstance(event, Done):
             if pending:
-                post(TokensArrived(tuple(pending), replace(LiveStats.from_stats(event.stats), why=why)))
+                post(TokensArrived(tuple(pending), replace(LiveStats.from_stats(event.stats), why=why), thought))
             post(TurnFinished(event))
             return event
     return None

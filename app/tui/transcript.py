@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from rich._wrap import divide_line
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -41,9 +40,11 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
 from app.render import TRUECOLOR, token_style
+from app.tui.coloured_text import PLACEHOLDER, ColouredText, live_cut
+from app.tui.thinking import ThinkingBlock, answers
 from backends.events import REJECTED, Token
 
-PLACEHOLDER = "…"  # shown until the first token arrives
+__all__ = ["PLACEHOLDER", "AnswerView", "ColouredText", "Note", "Transcript", "UserMessage", "live_cut", "unsent"]
 
 
 class UserMessage(Static):
@@ -63,87 +64,9 @@ def unsent(pieces: list[str], sent: int) -> tuple[str, int]:
     return "".join(pieces[sent:]), len(pieces)
 
 
-def live_cut(plain: str, width: int, chunk: int) -> int:
-    """Where to cut the live text `plain` (shown `width` cells wide) so that its beginning can be frozen: an
-    offset at which a shown line begins, past the first, or 0 for no cut while `plain` is `chunk` or shorter.
-
-    The cut is at the start of the last line shown: after the last newline, or, in a last paragraph longer
-    than `chunk`, at the start of its last wrapped line. Wrapping is greedy (rich's `divide_line`, which
-    Textual uses), so text appended later changes only the last line: the lines before the cut are final,
-    and the text after it wraps as it would in one widget.
-    """
-    if len(plain) <= chunk:
-        return 0
-    start = plain.rfind("\n") + 1  # the last paragraph's start
-    paragraph = plain[start:]
-    if len(paragraph) > chunk and "\t" not in paragraph:  # tabs are expanded before wrapping: cut at newlines
-        offsets = divide_line(paragraph, width, fold=True)
-        if offsets:
-            return start + offsets[-1]
-    return start
-
-
-class ColouredText(Widget):
-    """The speculation view's text, in `Static`s of whole lines: all but the last one never change again.
-
-    A `Static` re-wraps its whole text on every update, so one `Static` for a whole answer costs time
-    quadratic in the answer's length (on a long answer the UI took a large share of a core from generation:
-    docs/results.md, "Figures behind design choices"). Once the live part holds more than CHUNK characters, its lines but the last
-    move into a `Static` of their own (`live_cut`), and later updates re-wrap only the text after them. The
-    cuts depend on the width; when it changes, the text is cut again.
-    """
-
-    DEFAULT_CSS = """
-    ColouredText {
-        height: auto;
-        layout: vertical;
-    }
-    """
-    CHUNK = 1000
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.text = Text()  # the whole text
-        self._live_text = Text()  # its end, not yet frozen
-        self._live = Static(PLACEHOLDER, markup=False)
-        self._cut_at_width = 0
-
-    def compose(self) -> ComposeResult:
-        yield self._live
-
-    def append(self, text: str, style: str | None = None) -> None:
-        self.text.append(text, style=style)
-        self._live_text.append(text, style=style)
-
-    @property
-    def pieces(self) -> list[Text]:
-        """The text as shown: the frozen pieces, then the live one."""
-        return [w.content for w in self.query_children(Static) if w is not self._live] + [self._live_text]
-
-    def on_resize(self) -> None:
-        if self.size.width != self._cut_at_width and len(self.children) > 1:
-            self.remove_children([w for w in self.children if w is not self._live])
-            self._live_text = self.text.copy()
-            self.show()
-
-    def show(self) -> None:
-        width = self.size.width
-        cut = live_cut(self._live_text.plain, width, self.CHUNK) if self.is_mounted and width else 0
-        if cut:
-            done, self._live_text = self._live_text.divide([cut])
-            # A cut after a newline drops it (the next Static begins a line); one inside a paragraph drops
-            # the spaces the wrap would have hidden at the end of that line (a struck-out space would show).
-            if done.plain.endswith("\n"):
-                done.right_crop(1)
-            else:
-                done.rstrip()
-            self.mount(Static(done, markup=False), before=self._live)
-            self._cut_at_width = width
-        self._live.update(self._live_text if self.text else PLACEHOLDER)
-
-
 class AnswerView(Widget):
-    """One answer: `ColouredText` for the speculation view (and the placeholder), a `Markdown` for the other."""
+    """One answer: `ColouredText` for the speculation view (and the placeholder), a `Markdown` for the other;
+    above them a thinking model's reasoning (app.tui.thinking), mounted once it has text."""
 
     DEFAULT_CSS = """
     AnswerView {
@@ -166,8 +89,11 @@ class AnswerView(Widget):
         self._sent = 0  # pieces of _output already written to the Markdown widget
         self.spec = ColouredText()
         self.markdown = Markdown()
+        self.thinking = ThinkingBlock(speculation_view)
 
     def compose(self) -> ComposeResult:
+        if self.thinking.visible:  # a saved answer's, given before the view was mounted
+            yield self.thinking
         yield self.spec
         yield self.markdown
 
@@ -178,22 +104,54 @@ class AnswerView(Widget):
     def output_text(self) -> str:
         return "".join(self._output)
 
-    def add_tokens(self, tokens: Iterable[Token]) -> None:
+    def add_tokens(self, tokens: Iterable[Token], thought: float | None = None) -> None:
+        """A batch of the stream; `thought`: how long a thinking model thought, once its answer has started."""
+        block = self.thinking
         for tok in tokens:
             self.tokens.append(tok)
+            block.add(tok)
+            if tok.kind == REJECTED and tok.channel == "reasoning":
+                continue  # a draft of the reasoning: shown in it
+            if answers(tok) and block.started:
+                block.end(thought)
             self.spec.append(tok.text, token_style(tok, TRUECOLOR))
             if tok.kind != REJECTED:
                 self._output.append(tok.text)
+        self._show_thinking()
         self._show()
 
-    def finish(self, tail: str) -> None:
-        """The end of the answer: the text no token carried (also a saved answer, shown with no tokens)."""
+    def finish(self, tail: str, reasoning: str = "", thought: float | None = None) -> None:
+        """The end of the answer: the text no token carried (also a saved answer, shown with no tokens), and
+        the whole reasoning (what of it no token carried is added); `thought`: how long the thinking took."""
+        block = self.thinking
+        if reasoning.startswith(block.text):
+            block.add_text(reasoning[len(block.text):])
         self.spec.append(tail)
         self._output.append(tail)
+        if block.started:
+            block.end(thought, answered=bool(self.output_text.strip()) or not block.tokens)
+        self._show_thinking()
         self._show()
+
+    def _show_thinking(self) -> None:
+        block = self.thinking
+        if not block.visible:
+            return
+        if block.parent is None and self.spec.parent is self:  # else compose yields it
+            self.mount(block, before=self.spec)
+        if block.dirty:
+            block.refresh_view()
+
+    def toggle_thinking(self) -> bool:
+        """Expand or fold the reasoning; False when there is none."""
+        if not self.thinking.visible:
+            return False
+        self.thinking.toggle()
+        return True
 
     def set_view(self, speculation_view: bool) -> None:
         self.speculation_view = speculation_view
+        self.thinking.set_view(speculation_view)
         self._show()
 
     @property
