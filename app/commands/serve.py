@@ -11,6 +11,10 @@ route wants `Authorization: Bearer KEY`. One line on stderr gives the URL once
 the model is loaded and the socket listens; Ctrl-C (uvicorn's own handling)
 cancels what is running, stops the worker and frees the engine.
 
+`--no-think` and `--reasoning-budget N` are every chat's defaults for a
+thinking model (app/serve/thinking.py: a request's `chat_template_kwargs`,
+`reasoning_effort` and `reasoning_budget_tokens` override them).
+
 `--parallel N` (`-np`, llama-server's spelling) requests decode together in
 one batch per step (continuous batching, backends.scheduler); more wait in
 arrival order. Each has the whole `-c` context, so the KV cache holds N times
@@ -88,6 +92,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from app.loading import open_engine
+    from app.prompt_format import ThinkingError
     from app.serve import AnnouncingServer, EngineWorker, ServerConfig, make_app
     from backends.config import AUTO_K_MAX
     from backends.llama import max_sequences
@@ -115,6 +120,10 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:
                 print_progress("cannot measure the device's batch cost here: auto and tree decode plainly")
         worker = EngineWorker(engine, cache_mib=args.cache_ram)
+        try:  # --no-think is every chat's default: refused now on a template that cannot turn thinking off
+            worker.format.thinking_kwargs(settings.thinking)
+        except ThinkingError as e:
+            raise UserError(f"--no-think: {e} (--reasoning-budget N)") from None
         worker.start()
         try:
             config = ServerConfig(

@@ -1,7 +1,7 @@
 """`specchat serve`: an OpenAI-compatible HTTP server over one engine.
 
 Routes, shaped as OpenAI's API and llama.cpp's `llama-server` shape them:
-`GET /health`, `GET /slots`, `GET /v1/models`, `POST /tokenize` and `/detokenize`,
+`GET /health`, `GET /slots`, `GET /props`, `GET /v1/models`, `POST /tokenize` and `/detokenize`,
 `POST /v1/chat/completions` (the messages go
 through the model's chat template, `app.prompt_format.PromptFormat.tokens`;
 plain text for a model without one) and `POST /v1/completions` (the prompt
@@ -43,9 +43,15 @@ between target forwards. A failing request answers 400 (the user's mistake,
 `app.errors.is_user_error`) or 500 with one line; tracebacks stay in the
 server's log.
 
-The package, by concern: `request` (a request's fields, checked), `worker` (the
-engine's thread and its slots), `responses` (OpenAI's answer shapes) and `http`
-(the Starlette routes and the uvicorn server).
+A thinking model's chat answers with `reasoning_content` apart from `content`
+(llama-server's fields: `reasoning_format`, `chat_template_kwargs`,
+`reasoning_effort`, `reasoning_budget_tokens`; `thinking`), and `/v1/models`
+and `GET /props` say how it thinks.
+
+The package, by concern: `fields` (the error shape and scalar fields),
+`request` (a request's fields, checked), `thinking` (a chat's thinking fields),
+`worker` (the engine's thread and its slots), `responses` (OpenAI's answer
+shapes) and `http` (the Starlette routes and the uvicorn server).
 """
 
 from app.serve.http import AnnouncingServer, ServerConfig, make_app

@@ -20,7 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.settings import Settings
-from app.serve.request import MAX_BODY_BYTES, ApiError, Endpoint, GenRequest, bad, parse_request
+from app.serve.fields import ApiError, bad
+from app.serve.request import MAX_BODY_BYTES, Endpoint, GenRequest, parse_request
+from app.serve.thinking import reasoning_info, template_kwargs
 from app.serve.tools import ToolStream, grammar_for
 from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
 from app.serve.worker import EngineWorker, Failed, Finished, Job
@@ -169,8 +171,28 @@ class Server:
             "id": model_id, "object": "model", "created": self.started, "owned_by": "specchat",
             "aliases": aliases,
             "meta": {"n_ctx": self.n_ctx, "draft": self.config.draft_id, "strategy": d.strategy,
-                     "strategies": list(STRATEGIES), "strategy_settings": strategy_label(d.strategy, d.options)},
+                     "strategies": list(STRATEGIES), "strategy_settings": strategy_label(d.strategy, d.options),
+                     "reasoning": reasoning_info(self.worker.reasoning)},
         }]})
+
+    async def props(self, request: Request) -> Response:
+        """llama-server's GET /props, the parts that apply: the defaults, the slots, the template and its tokens,
+        and how the model thinks (`reasoning`, as /v1/models' meta has it; chat_template_caps.supports_thinking)."""
+        self._authorize(request)
+        d, fmt, info = self.config.defaults, self.worker.format, self.worker.engine.target_info
+        model = self.worker.engine.target_model
+        token = (lambda t: model.token_text(t) if t is not None else "")
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {
+                "n_predict": d.params.max_tokens, "temperature": d.params.temperature, "top_k": d.params.top_k,
+                "top_p": d.params.top_p, "min_p": d.params.min_p, "reasoning_budget_tokens":
+                    -1 if d.params.reasoning_budget is None else d.params.reasoning_budget}},
+            "total_slots": self.worker.parallel, "model_alias": self.config.model_ids[0],
+            "modalities": {"vision": False, "audio": False}, "chat_template": fmt.template or "",
+            "chat_template_caps": {"supports_thinking": self.worker.reasoning is not None},
+            "bos_token": token(info.bos_id), "eos_token": token(info.eos_id),
+            "reasoning": reasoning_info(self.worker.reasoning), "thinking": d.thinking,
+        })
 
     async def tokenize(self, request: Request) -> Response:
         """llama-server's POST /tokenize: {"content", "add_special"} -> {"tokens"} (the vocabulary is read-only:
@@ -208,10 +230,14 @@ class Server:
         model = self._model(body)
         gen = parse_request(body, endpoint, self.config.defaults, self.n_ctx, self.has_draft, self.n_seq_max,
                             self.worker.parallel)
+        if endpoint == "chat":  # enable_thinking over the request's variables: a 400 where it cannot be honoured
+            gen = replace(gen, thinking=replace(gen.thinking, kwargs=template_kwargs(gen.thinking, self.worker.format)))
         gen = await self._constrained(gen)
         job = Job(gen, asyncio.get_running_loop())
         self.worker.submit(job)
-        reply = Reply(gen, model, self.worker.engine.target_model.piece, self.worker.tool_format)
+        thinks = self.worker.reasoning is not None and endpoint == "chat"
+        reply = Reply(gen, model, self.worker.engine.target_model.piece, self.worker.tool_format,
+                      thinks=thinks and gen.thinking.split, raw=thinks and not gen.thinking.split)
         try:
             first = await _unless_gone(job.events.get(), job, request)  # Started, or Failed
             if isinstance(first, Failed):
@@ -257,6 +283,9 @@ class Server:
                 yield sse(reply.chunk("", i, role=True))
         tools = [ToolStream(reply.tool_format, gen.must_call) for _ in range(gen.n)] if gen.calls_tools else None
         offsets = [0] * gen.n  # text sent, by choice (the completions API's logprobs text_offset)
+        reasoned = [""] * gen.n  # reasoning sent, by choice: its Done's rest goes with the finish chunk
+        thought = [0] * gen.n  # tokens of the thinking, by choice (usage's reasoning_tokens)
+        raws = [reply.raw_stream() for _ in range(gen.n)]  # reasoning_format "none": the output as written
         held: dict[str, object] | None = None  # the last finish chunk, sent with the timings once all end
         while True:
             event = await job.events.get()
@@ -264,27 +293,35 @@ class Server:
                 index, item = event
                 if isinstance(item, Token):
                     logprobs = reply.logprobs([item], offsets[index])
-                    offsets[index] += len(item.text)
+                    raw = raws[index]
+                    text, reasoning = (item.text, item.reasoning) if raw is None else (raw.push(item.id), "")
+                    offsets[index] += len(text)
+                    reasoned[index] += reasoning
+                    thought[index] += item.channel == "reasoning"
                     if tools is None:
-                        yield sse(reply.chunk(item.text, index, logprobs=logprobs))
+                        if text or reasoning or logprobs is not None or not (reply.thinks or reply.raw):
+                            yield sse(reply.chunk(text, index, logprobs=logprobs, reasoning=reasoning))
                         continue
-                    text, new = tools[index].push(item.text)
-                    if text or logprobs is not None:
-                        yield sse(reply.chunk(text, index, logprobs=logprobs))
+                    text, new = tools[index].push(text)
+                    if text or reasoning or logprobs is not None:
+                        yield sse(reply.chunk(text, index, logprobs=logprobs, reasoning=reasoning))
                     if new:
                         yield sse(reply.chunk("", index, calls=new))
                 else:
                     if held is not None:
                         yield sse(held)
-                    text = None
-                    if tools is not None:
-                        text, new = tools[index].push(item.tail)  # what was held back for a stop string
+                    raw = raws[index]
+                    text = None if raw is None else raw.flush()
+                    if tools is not None:  # what was held back for a stop string
+                        text, new = tools[index].push(item.tail if text is None else text)
                         rest, more = tools[index].finish()
                         text, new = text + rest, new + more
                         if new:
                             yield sse(reply.chunk("", index, calls=new))
+                    done_reasoning = item.reasoning if reply.thinks else ""
+                    rest = done_reasoning[len(reasoned[index]):] if done_reasoning.startswith(reasoned[index]) else ""
                     held = reply.finish_chunk(index, item, text,
-                                              called=tools is not None and tools[index].sent_calls > 0)
+                                              called=tools is not None and tools[index].sent_calls > 0, reasoning=rest)
             elif isinstance(event, Failed):
                 yield sse(event.error.body())
                 return
@@ -293,7 +330,7 @@ class Server:
                 return
             elif isinstance(event, Finished):
                 assert held is not None
-                for chunk in reply.closing_chunks(held, event.dones):
+                for chunk in reply.closing_chunks(held, event.dones, sum(thought)):
                     yield sse(chunk)
                 yield SSE_DONE
                 return
@@ -322,6 +359,7 @@ def make_app(config: ServerConfig, worker: EngineWorker) -> Starlette:
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/slots", server.slots, methods=["GET"]),
+            Route("/props", server.props, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/tokenize", server.tokenize, methods=["POST"]),

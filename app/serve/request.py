@@ -9,14 +9,12 @@ silently ignored.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
-from starlette.responses import JSONResponse
-
 from app.chat_template import ChatMessage, ToolCall
-from app.errors import describe, is_user_error
+from app.serve.fields import ApiError, bad, flag, integer, number
+from app.serve.thinking import ThinkingRequest, thinking_request
 from app.serve.tools import Tool, ToolChoice, ToolError, parse_tool_choice, parse_tools
 from app.settings import Settings, with_paths
 from backends.config import StrategyOptions
@@ -32,67 +30,7 @@ MEMORY_KEY = "suffix_cache"  # a request's own switch for the speculation memory
 Endpoint = Literal["chat", "text"]
 
 
-# -- errors -----------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code)
-
-
-def from_exception(e: BaseException) -> ApiError:
-    """A user error is the client's 400; anything else a 500 whose details stay in the log."""
-    if is_user_error(e):
-        return bad(describe(e))
-    return ApiError(500, "the generation failed on the server (see its log)")
-
-
 # -- request fields -----------------------------------------------------------
-
-
-def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(f"'{name}' must be a number", name)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer", name)
-    return value
-
-
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"'{name}' must be true or false", name)
-    return value
 
 
 def _stop(body: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
@@ -107,7 +45,7 @@ def _stop(body: Mapping[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
 
 def _max_tokens(body: Mapping[str, Any], default: int, n_ctx: int) -> int:
     """max_completion_tokens (OpenAI's current name), max_tokens, or llama-server's n_predict; at most the context."""
-    given = {name: _integer(body, name, None) for name in ("max_completion_tokens", "max_tokens", "n_predict")}
+    given = {name: integer(body, name, None) for name in ("max_completion_tokens", "max_tokens", "n_predict")}
     given = {k: v for k, v in given.items() if v is not None and not (k == "n_predict" and v == -1)}
     if len(set(given.values())) > 1:
         raise bad(f"{' and '.join(given)} disagree; send one of them", next(iter(given)))
@@ -121,7 +59,7 @@ def _max_tokens(body: Mapping[str, Any], default: int, n_ctx: int) -> int:
 
 def sampling_params(body: Mapping[str, Any], defaults: GenParams, n_ctx: int) -> GenParams:
     """OpenAI's sampling fields (and llama-server's top_k / min_p) over the server's defaults."""
-    seed = _integer(body, "seed", defaults.seed)
+    seed = integer(body, "seed", defaults.seed)
     if seed is not None and seed < 0:
         if seed != -1:
             raise bad("'seed' must be >= 0, or -1 for a random one", "seed")
@@ -129,13 +67,13 @@ def sampling_params(body: Mapping[str, Any], defaults: GenParams, n_ctx: int) ->
     try:
         return GenParams(
             max_tokens=_max_tokens(body, defaults.max_tokens, n_ctx),
-            temperature=_number(body, "temperature", defaults.temperature),
-            top_k=_integer(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
-            top_p=_number(body, "top_p", defaults.top_p),
-            min_p=_number(body, "min_p", defaults.min_p),
+            temperature=number(body, "temperature", defaults.temperature),
+            top_k=integer(body, "top_k", defaults.top_k),  # type: ignore[arg-type]
+            top_p=number(body, "top_p", defaults.top_p),
+            min_p=number(body, "min_p", defaults.min_p),
             seed=seed,
             stop=_stop(body, defaults.stop),
-            ignore_eos=_flag(body, "ignore_eos", defaults.ignore_eos),
+            ignore_eos=flag(body, "ignore_eos", defaults.ignore_eos),
         )
     except ValueError as e:
         raise bad(str(e)) from None
@@ -159,7 +97,7 @@ def refuse_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
                                          "'json_schema' or 'grammar'")
     for name in ("frequency_penalty", "presence_penalty", "repeat_penalty"):
         default = 1.0 if name == "repeat_penalty" else 0.0
-        if _number(body, name, default) != default:
+        if number(body, name, default) != default:
             raise _refuse(name, "repetition penalties are not implemented (speculative verification "
                                 "needs the same distribution at every position)")
     if body.get("logit_bias"):
@@ -230,7 +168,7 @@ def logprobs_count(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
     Chat: `logprobs` true and `top_logprobs` 0-20; completions: `logprobs` 0-5 (OpenAI's legacy field)."""
     value = body.get("logprobs")
     if endpoint == "chat":
-        top = _integer(body, "top_logprobs", None)
+        top = integer(body, "top_logprobs", None)
         if value not in (None, True, False):
             raise bad("'logprobs' must be true or false", "logprobs")
         if top is not None and not 0 <= top <= 20:
@@ -384,8 +322,11 @@ def chat_messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
         name = m.get("name") if isinstance(m.get("name"), str) else None
         if role == "tool" and name is None:  # the call it answers names the function
             name = next((c.name for earlier in out for c in earlier.tool_calls if c.id == call_id), None)
+        reasoning = m.get("reasoning_content")  # an earlier answer's thinking, sent back (llama-server's name)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise bad(f"messages[{i}].reasoning_content must be a string", f"messages[{i}].reasoning_content")
         out.append(ChatMessage(role, _content(m, i), calls, call_id if role == "tool" else None,  # type: ignore[arg-type]
-                               name if role == "tool" else None))
+                               name if role == "tool" else None, reasoning or ""))
     return tuple(out)
 
 
@@ -439,6 +380,8 @@ class GenRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = False  # asked for explicitly: several calls in one answer
+    # A chat's thinking fields (app.serve.thinking): the template's variables, the split, the budget.
+    thinking: ThinkingRequest = field(default_factory=ThinkingRequest)
 
     @property
     def calls_tools(self) -> bool:
@@ -450,7 +393,7 @@ class GenRequest:
 
 
 def _choices(body: Mapping[str, Any], parallel: int) -> int:
-    n = _integer(body, "n", 1)
+    n = integer(body, "n", 1)
     assert n is not None
     if n < 1:
         raise bad("'n' must be at least 1", "n")
@@ -486,8 +429,9 @@ def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Setting
         params = replace(params, logprobs=logprobs)
     return GenRequest(
         endpoint=endpoint, strategy=strategy, options=options, params=params, grammar=grammar,
-        tools=tools, tool_choice=tool_choice, parallel_tool_calls=_flag(body, "parallel_tool_calls", False),
+        tools=tools, tool_choice=tool_choice, parallel_tool_calls=flag(body, "parallel_tool_calls", False),
         messages=chat_messages(body) if endpoint == "chat" else (),
         prompt=completion_prompt(body) if endpoint == "text" else "",
         stream=stream, include_usage=bool(stream_options.get("include_usage")), n=n,
+        thinking=thinking_request(body, endpoint == "chat", defaults),
     )

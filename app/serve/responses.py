@@ -11,9 +11,11 @@ from typing import Callable, Sequence
 from starlette.responses import JSONResponse, Response
 
 from app.chat_template import ToolCall
-from app.serve.request import ApiError, GenRequest
+from app.serve.fields import ApiError
+from app.serve.request import GenRequest
 from app.serve.tools import ToolFormat, parse_answer
 from backends.events import Done, GenStats, Token
+from backends.text import TextStream
 from backends.registry import strategy_label
 
 
@@ -23,16 +25,20 @@ from backends.registry import strategy_label
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(stats: GenStats | tuple[GenStats, ...]) -> dict[str, object]:
-    """OpenAI's usage; for several choices, the prompt once and every choice's completion tokens."""
+def usage(stats: GenStats | tuple[GenStats, ...], reasoning_tokens: int | None = None) -> dict[str, object]:
+    """OpenAI's usage; for several choices, the prompt once and every choice's completion tokens. For a thinking
+    model's chat, `completion_tokens_details.reasoning_tokens`: the output tokens that stood in its thinking."""
     many = stats if isinstance(stats, tuple) else (stats,)
     completion = sum(s.generated_tokens for s in many)
-    return {
+    out: dict[str, object] = {
         "prompt_tokens": many[0].prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": many[0].prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": many[0].prompt_cached},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def timings(stats: GenStats, label: str) -> dict[str, object]:
@@ -70,13 +76,18 @@ class Reply:
     """The fixed parts of one response's objects, chunks included (OpenAI's shapes), for its `n` choices.
 
     `piece` renders a token id (log-probabilities list tokens by their text and bytes); `tool_format` is how
-    the model calls tools (app.serve.tools), used when the request offers them.
+    the model calls tools (app.serve.tools), used when the request offers them; `thinks`: a thinking model's
+    chat whose reasoning goes to `reasoning_content` (the Done's and Tokens' `reasoning`), apart from `content`;
+    `raw`: one with reasoning_format "none", whose content is the output as written, tags and all (its tokens'
+    pieces through `raw_stream`, stop strings cut as the strategies cut them).
     """
 
     request: GenRequest
     model: str
     piece: Callable[[int], bytes] = lambda _t: b""
     tool_format: ToolFormat = "generic"
+    thinks: bool = False
+    raw: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -92,6 +103,20 @@ class Reply:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
+
+    def raw_stream(self) -> TextStream | None:
+        """For a `raw` answer: its text from its token ids (push each output token, flush at the end)."""
+        return TextStream(self.piece, self.request.params.stop) if self.raw else None
+
+    def _text(self, done: Done) -> str:
+        """A choice's content: the answer, or for a `raw` one everything the model wrote."""
+        stream = self.raw_stream()
+        if stream is None:
+            return done.text
+        for token in done.tokens:
+            stream.push(token)
+        stream.flush()
+        return stream.text
 
     # -- log-probabilities ---------------------------------------------------
 
@@ -120,11 +145,13 @@ class Reply:
     # -- choices -----------------------------------------------------------
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool, role: bool = False,
-                logprobs: dict[str, object] | None = None,
-                calls: Sequence[tuple[int, ToolCall]] = ()) -> dict[str, object]:
+                logprobs: dict[str, object] | None = None, calls: Sequence[tuple[int, ToolCall]] = (),
+                reasoning: str = "") -> dict[str, object]:
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         body: dict[str, object] = {"role": "assistant"} if role or not delta else {}
+        if reasoning:  # llama-server's field, before the content as it sends them
+            body["reasoning_content"] = reasoning
         if text or (not delta and not calls) or role:
             body["content"] = text or ""
         elif not delta:
@@ -135,41 +162,47 @@ class Reply:
         return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def _extras(self, dones: tuple[Done, ...]) -> dict[str, object]:
-        """usage and llama-server's timings (for several choices, a list of each one's)."""
+    def _extras(self, dones: tuple[Done, ...], thought: int = 0) -> dict[str, object]:
+        """usage (`thought`: the choices' tokens of thinking) and llama-server's timings (for several choices, a
+        list of each one's)."""
         label = strategy_label(self.request.strategy, self.request.options)
         each = [timings(d.stats, label) for d in dones]
-        return {"usage": usage(tuple(d.stats for d in dones)), "timings": each[0] if len(each) == 1 else each}
+        return {"usage": usage(tuple(d.stats for d in dones), thought if self.thinks else None),
+                "timings": each[0] if len(each) == 1 else each}
 
     def whole(self, dones: tuple[Done, ...], tokens: Sequence[Sequence[Token]] = ()) -> dict[str, object]:
         """The whole answer: each choice's text (or, when it called tools, its calls) and log-probabilities."""
         kind = "chat.completion" if self.chat else "text_completion"
         choices = []
         for i, d in enumerate(dones):
-            text, calls = d.text, []
+            text, calls = self._text(d), []
             if self.request.calls_tools:
-                text, calls = parse_answer(d.text, self.tool_format)
+                text, calls = parse_answer(text, self.tool_format)
             finish = "tool_calls" if calls else FINISH_REASONS.get(d.reason, "stop")
             choices.append(self._choice(i, text, finish, delta=False,
                                         logprobs=self.logprobs(tokens[i] if i < len(tokens) else ()),
-                                        calls=list(enumerate(calls))))
-        return {**self._object(kind, choices), **self._extras(dones)}
+                                        calls=list(enumerate(calls)), reasoning=d.reasoning if self.thinks else ""))
+        thought = sum(t.channel == "reasoning" for each in tokens for t in each)
+        return {**self._object(kind, choices), **self._extras(dones, thought)}
 
     def chunk(self, text: str, index: int = 0, role: bool = False, logprobs: dict[str, object] | None = None,
-              calls: Sequence[tuple[int, ToolCall]] = ()) -> dict[str, object]:
+              calls: Sequence[tuple[int, ToolCall]] = (), reasoning: str = "") -> dict[str, object]:
         return self._object(self._chunk_kind, [self._choice(index, text, None, delta=True, role=role,
-                                                            logprobs=logprobs, calls=calls)])
+                                                            logprobs=logprobs, calls=calls, reasoning=reasoning)])
 
-    def finish_chunk(self, index: int, done: Done, text: str | None = None, called: bool = False) -> dict[str, object]:
-        """A choice's last chunk: its finish reason (and any text held back for a stop string)."""
+    def finish_chunk(self, index: int, done: Done, text: str | None = None, called: bool = False,
+                     reasoning: str = "") -> dict[str, object]:
+        """A choice's last chunk: its finish reason (and any text held back for a stop string, any reasoning
+        held back for a tag that did not come)."""
         finish = "tool_calls" if called else FINISH_REASONS.get(done.reason, "stop")
-        return self._object(self._chunk_kind,
-                            [self._choice(index, done.tail if text is None else text, finish, delta=True)])
+        return self._object(self._chunk_kind, [self._choice(index, done.tail if text is None else text, finish,
+                                                            delta=True, reasoning=reasoning)])
 
-    def closing_chunks(self, last: dict[str, object], dones: tuple[Done, ...]) -> list[dict[str, object]]:
+    def closing_chunks(self, last: dict[str, object], dones: tuple[Done, ...], thought: int = 0
+                       ) -> list[dict[str, object]]:
         """The stream's end, after every choice's finish chunk (`last` is the last of them): the timings on it,
         as llama-server sends them; with include_usage, a usage chunk after it that carries them instead."""
-        extras = self._extras(dones)
+        extras = self._extras(dones, thought)
         if not self.request.include_usage:
             return [{**last, "timings": extras["timings"]}]
         return [last, {**self._object(self._chunk_kind, []), **extras}]

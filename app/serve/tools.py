@@ -172,7 +172,8 @@ def prompt_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool], choi
     out: list[ChatMessage] = []
     for m in messages:
         if m.role == "assistant" and m.tool_calls:
-            out.append(ChatMessage("assistant", "\n".join(_generic_call(c) for c in m.tool_calls)))
+            out.append(ChatMessage("assistant", "\n".join(_generic_call(c) for c in m.tool_calls),
+                                   reasoning=m.reasoning))
         elif m.role == "tool":
             out.append(ChatMessage("user", json.dumps({"tool_response": {"name": m.name, "id": m.tool_call_id,
                                                                          "content": m.content}},

@@ -14,12 +14,14 @@ from functools import partial
 
 from app.errors import describe, is_user_error
 from app.prompt_format import PromptFormat
-from app.serve.request import MAX_QUEUED, ApiError, GenRequest, from_exception
+from app.serve.fields import ApiError, from_exception
+from app.serve.request import MAX_QUEUED, GenRequest
 from app.serve.responses import done_error
 from app.serve.tools import prompt_messages, tool_format
 from backends.config import PROMPT_CACHE_MIB
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
+from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
 
 log = logging.getLogger("specchat.serve")
@@ -116,6 +118,7 @@ class EngineWorker:
         self.engine = engine
         self.format = PromptFormat(engine)
         self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
+        self.reasoning = self.format.reasoning  # how it thinks (None: it does not): found once, before any request
         self.pool = SlotPool(engine, cache_mib)
         self.parallel = self.pool.size
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -203,16 +206,24 @@ class EngineWorker:
             self._pending.discard(job)
         self.handled += 1
 
-    def _tokens(self, request: GenRequest) -> list[int]:
+    def _prompt(self, request: GenRequest) -> tuple[list[int], GenParams]:
+        """The prompt's tokens, and the request's parameters with a thinking model's format for a chat (its output
+        in two phases, the thinking within the budget and the grammar on the answer, backends.reasoning.Thinking;
+        reasoning_format "none" shows it as written, app.serve.responses.Reply.raw)."""
+        params = request.params
         if request.endpoint == "chat":
             messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
-            return self.format.tokens(messages, tools=tools)
+            kwargs = request.thinking.kwargs
+            if self.reasoning is not None:
+                params = replace(params, reasoning=self.format.reasoning_for(messages, tools=tools, kwargs=kwargs),
+                                 reasoning_budget=request.thinking.budget, reasoning_message=request.thinking.message)
+            return self.format.tokens(messages, tools=tools, kwargs=kwargs), params
         if isinstance(request.prompt, tuple):
             n_vocab = self.engine.target_model.n_vocab
             if any(not 0 <= t < n_vocab for t in request.prompt):
                 raise ValueError(f"the prompt has token ids outside the vocabulary (0..{n_vocab - 1})")
-            return list(request.prompt)
-        return self.format.raw(request.prompt)
+            return list(request.prompt), params
+        return self.format.raw(request.prompt), params
 
     def _admit(self, job: Job) -> None:
         """Start `job`'s choices in free slots (there are enough), or answer it at once (cancelled, or refused
@@ -227,9 +238,9 @@ class EngineWorker:
         running = _Running(job)
         first: int | None = None
         try:
-            prompt = self._tokens(request)
+            prompt, first_params = self._prompt(request)
             for k in range(request.n):
-                params = request.params
+                params = first_params
                 if k and params.seed is not None:  # each choice its own draw
                     params = replace(params, seed=params.seed + k)
                 slot = self.pool.admit(request.strategy, request.options, prompt, params,
