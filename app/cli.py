@@ -16,7 +16,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 from app.chat_template import ChatMessage
@@ -160,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt_flags(run)
     _add_generation_flags(run)
     add_grammar_flags(run)
+    run.add_argument("--prompt-cache", type=Path, default=None, metavar="FILE",
+                     help="keep the prompt's KV cache in FILE: a later run whose prompt starts the same way "
+                          "restores it instead of decoding it (llama-cli's flag)")
 
     chat = sub.add_parser("chat", help="open the chat app (the default with no command)",
                           description="Open the chat app. Flags given here override the saved settings "
@@ -305,6 +310,9 @@ def generate(args: argparse.Namespace) -> int:
             if color:
                 print(LEGEND, file=sys.stderr, flush=True)
             view.show_prompt(prompt_text)
+        cache_file = getattr(args, "prompt_cache", None)
+        if cache_file is not None:
+            _restore_prompt(engine, cache_file, tokens)
         with _Interrupt() as interrupt:
             done = None
             for ev in strategy.generate(tokens, params, interrupt.event.is_set):
@@ -312,6 +320,8 @@ def generate(args: argparse.Namespace) -> int:
                 if isinstance(ev, Done):
                     done = ev
         assert done is not None
+        if cache_file is not None and done.reason != "error":
+            _save_prompt(engine, cache_file, tokens)
         if args.stats:
             for line in stats_lines(done.stats, done.reason):
                 print(line, file=sys.stderr)
@@ -321,6 +331,38 @@ def generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED if done.reason == "cancelled" else 0
     finally:
         engine.close()
+
+
+def _restore_prompt(engine, path: Path, prompt: list[int]) -> None:
+    """`--prompt-cache`: the prompt's cells from FILE where it starts the same way; a file that does not match
+    or parse is one line on stderr, and the prompt decodes as without it."""
+    from backends.kv_store import KvStoreError, read_entry, restore
+
+    if not path.exists():
+        return
+    t0 = time.perf_counter()
+    try:
+        entry = read_entry(path, engine.kv_key())
+    except KvStoreError as e:
+        print(f"specchat: prompt cache not used: {e}", file=sys.stderr, flush=True)
+        return
+    slot = engine.slots[0]
+    n = restore(entry, slot.target, slot.draft, prompt)
+    if n:
+        print_progress(f"restored {n} prompt tokens from {path} in {1000 * (time.perf_counter() - t0):.0f} ms")
+
+
+def _save_prompt(engine, path: Path, prompt: list[int]) -> None:
+    """`--prompt-cache`: the prompt's cells (the answer's cut off) into FILE, atomically."""
+    from backends.kv_store import snapshot, write_entry
+
+    slot = engine.slots[0]
+    entry = snapshot(slot.target, slot.draft, upto=len(prompt))
+    if entry is not None:
+        try:
+            write_entry(path, engine.kv_key(), entry)
+        except OSError as e:
+            print(f"specchat: prompt cache not written: {e.strerror or e}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

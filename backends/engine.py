@@ -25,6 +25,7 @@ from pathlib import Path
 from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.kv import KvSequence, Lane
+from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.memory import SpeculationMemory
 from backends.memory_file import memory_file, memory_dir
@@ -227,6 +228,10 @@ class Engine:
             return self.device_cost(k_max, remeasure=True)
         finally:
             slot.reset()
+
+    def kv_key(self) -> KvKey:
+        """What a slot's cells depend on, for KV files (backends.kv_store)."""
+        return KvKey.of(self.config.target, self.config.draft, self.target.n_ctx, build_info())
 
     def known_device_cost(self) -> DeviceCost | None:
         """The device's cost as measured before (in this session or kept on disk), without measuring."""

@@ -142,7 +142,9 @@ class Done:
     `tail` is output text not carried by any Token event: what was held back
     because it might have begun a stop string. A streaming consumer prints it
     last. `error` is set when reason is 'error'. For a thinking model, `text`
-    is the answer and `reasoning` the whole reasoning (tags removed).
+    is the answer and `reasoning` the whole reasoning (tags removed); reasoning
+    no Token carried (held back as a stop string's possible start) is its
+    end, `reasoning[len(shown):]`, which a streaming consumer shows last.
     """
 
     reason: DoneReason

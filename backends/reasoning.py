@@ -177,10 +177,16 @@ class Splitter:
         self.content += content
         return reasoning, content
 
-    def close(self) -> None:
-        """The block ends here (its end tag was a stop string, or was forced): the answer follows."""
+    def close(self) -> str:
+        """The block ends here (its end tag was a stop string, or was forced): the answer follows. Returns the
+        reasoning it releases (a tail held back as the end tag's possible start is reasoning after all)."""
+        out = ""
+        if self.state == REASONING and not self._lead:
+            out = self._buf.rstrip()
+            self.reasoning += out
         if self.state != CONTENT:
             self.state, self._buf, self._lead = CONTENT, "", True
+        return out
 
     def flush(self) -> tuple[str, str]:
         """At the end of the output: what was held back (a block never closed keeps its text as reasoning)."""
@@ -263,6 +269,13 @@ class Thinking:
         invisible = {ids[0]: tag for tag in (fmt.start, fmt.end)
                      if len(ids := self._tokens(tag)) == 1 and not self.model.piece(ids[0])}
         ends: list[Done] = []
+        # Text a phase's Done released with no token to carry it (held back as a stop string's possible start):
+        # handed on with the next token, or in the last Done's tail, so that the pieces still make the whole.
+        carry = ["", ""]  # reasoning, answer
+
+        def carried(pieces: tuple[str, str]) -> None:
+            carry[0] += pieces[0]
+            carry[1] += pieces[1]
         waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
         prefilled = [False]
 
@@ -272,6 +285,8 @@ class Thinking:
                     yield replace(event, channel=splitter.channel)
                     return
                 reasoning, content = splitter.push(event.text or invisible.get(event.id, ""))
+                reasoning, content = carry[0] + reasoning, carry[1] + content
+                carry[:] = ["", ""]
                 yield replace(event, text=content, reasoning=reasoning, channel=splitter.channel)
             elif isinstance(event, Done):
                 ends.append(event)
@@ -288,7 +303,7 @@ class Thinking:
             # A grammar from the first token: the model cannot open a block, so the answer is all there is.
             splitter.close()
             yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
-            yield self._done(prompt, ends[-1], [], None, splitter)
+            yield self._done(prompt, ends[-1], [], None, splitter, carry)
             return
         budget = params.reasoning_budget
         start_tokens = 0 if fmt.opened else len(self._tokens(fmt.start))
@@ -298,18 +313,18 @@ class Thinking:
             thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True)
             yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
             first = ends[-1]
-            splitter.push(first.tail)  # held back as a stop string's possible start: still text (Done carries it)
+            carried(splitter.push(first.tail))
             if first.reason == "stop" and self._ended_by_tag(first, fmt.end):
-                splitter.close()
+                carried((splitter.close(), ""))
             elif first.reason != "length" or len(first.tokens) >= params.max_tokens:
-                yield self._done(prompt, first, [], None, splitter)  # the answer's end: eos, a stop, an error
+                yield self._done(prompt, first, [], None, splitter, carry)  # the answer's end: eos, a stop, an error
                 return
         forced: list[int] = []
         if splitter.thinking:  # the budget is spent inside the block: its end is forced
             message = params.reasoning_message
             forced = self._tokens((message + "\n" if message else "") + fmt.end + "\n\n")
             reasoning, _ = splitter.push(message)
-            splitter.close()
+            reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
             tokens = [Token(tok, "", "accepted", source="grammar", reasoning=reasoning if i == 0 else "",
                             channel=CONTENT) for i, tok in enumerate(forced)]
             if prefilled[0]:
@@ -329,18 +344,19 @@ class Thinking:
             if not prefilled[0]:
                 yield Prefilled(len(prompt), 0.0)
                 yield from waiting
-            yield self._done(prompt, first, forced, None, splitter, "cancelled" if should_stop() else "length")
+            yield self._done(prompt, first, forced, None, splitter, carry, "cancelled" if should_stop() else "length")
             return
         yield from relay(steps, labelled)
-        yield self._done(prompt, first, forced, ends[-1], splitter)
+        yield self._done(prompt, first, forced, ends[-1], splitter, carry)
 
     def _done(self, prompt: list[int], first: Done | None, forced: list[int], second: Done | None,
-              splitter: Splitter, reason: str | None = None) -> Done:
+              splitter: Splitter, carry: list[str], reason: str | None = None) -> Done:
         """One Done for the phases: all their tokens, the answer as text, the reasoning whole."""
         last = second or first
         if second is not None:
-            splitter.push(second.tail)
-        _, tail = splitter.flush()
+            carry[1] += splitter.push(second.tail)[1]
+        carry[1] += splitter.flush()[1]
+        tail = carry[1]
         if first is not None and second is not None:
             stats = merge_stats(first.stats, second.stats, len(forced))
         elif last is not None:

@@ -184,3 +184,16 @@ def test_auto_learns_the_thinking_apart_from_the_answers(qwq) -> None:
     assert {"greedy", "greedy.reasoning"} <= set(qwq.auto_states)
     thinking, answer = qwq.auto_states["greedy.reasoning"], qwq.auto_states["greedy"]
     assert thinking is not answer and thinking.to_json() != answer.to_json()
+
+
+@pytest.mark.parametrize("stop", [("4.5",), ("= 4",)])
+def test_text_held_back_for_a_stop_string_reaches_the_stream(qwq, stop) -> None:
+    """A stop string's possible start is held back until it cannot be one; at a phase's end it has no token to
+    carry it: it goes with the next token or the Done's tail, so the answer's pieces still make the whole."""
+    prompt, fmt = _prompt(qwq, question="What is 2+2?")
+    for budget in (3, None):
+        events, done = _run(qwq, "ar", GenParams(max_tokens=40, reasoning=fmt, reasoning_budget=budget, stop=stop),
+                            prompt)
+        shown = [e for e in events if isinstance(e, Token) and e.kind != REJECTED]
+        assert "".join(e.text for e in shown) + done.tail == done.text
+        assert done.reasoning.startswith("".join(e.reasoning for e in shown))

@@ -1,0 +1,120 @@
+"""KV cells kept on disk (backends.kv_store, `specchat run --prompt-cache FILE`): a later run restores the prompt
+instead of decoding it and continues token for token as after decoding it, with every strategy, target and draft
+restored; a file of another model or context, truncated or damaged, is refused in one line and the prompt is
+decoded as before; files are their owner's only."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.engine import Engine, EngineConfig
+from backends.kv_store import KvKey, KvStoreError, read_entry, restore, snapshot, write_entry
+from backends.sampling import GenParams
+from app.prompt_format import PromptFormat
+from engine_helpers import run_to_done
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = "Summarize: " + " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(40))
+
+
+def _prompt(engine: Engine, extra: str = "") -> list[int]:
+    return PromptFormat(engine).prompt(LONG + extra)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "sps", "lookup", "tree", "auto"])
+def test_a_restored_prompt_continues_as_the_decoded_one(instruct_pair, instruct_engine: Engine, strategy: str,
+                                                        tmp_path: Path) -> None:
+    """The prompt decoded, its cells (target and draft) written; the slot emptied, the file read back into it:
+    the generation decodes only the prompt's last token and gives the same greedy tokens."""
+    engine = instruct_engine
+    prompt = _prompt(engine)
+    params = GenParams(max_tokens=24)
+    slot = engine.slots[0]
+    slot.reset()
+    ref = run_to_done(engine, strategy, prompt, params)
+    slot.target.sync(prompt, logits=False)
+    if slot.draft is not None:
+        slot.draft.sync(prompt, logits=False)
+    path = tmp_path / "prompt.kv"
+    write_entry(path, engine.kv_key(), snapshot(slot.target, slot.draft, upto=len(prompt)))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    slot.reset()
+    n = restore(read_entry(path, engine.kv_key()), slot.target, slot.draft, prompt)
+    assert n == len(prompt) and slot.draft is not None and len(slot.draft.tokens) == len(prompt)
+    got = run_to_done(engine, strategy, prompt, params)
+    assert got.stats.prompt_cached == len(prompt) - 1
+    assert got.tokens == ref.tokens
+
+
+def test_a_longer_prompt_restores_the_shared_part_and_a_shorter_one_cuts_it(instruct_engine: Engine,
+                                                                            tmp_path: Path) -> None:
+    engine, slot = instruct_engine, instruct_engine.slots[0]
+    prompt = _prompt(engine)
+    slot.reset()
+    slot.target.sync(prompt, logits=False)
+    path = tmp_path / "p.kv"
+    write_entry(path, engine.kv_key(), snapshot(slot.target, None))
+    entry = read_entry(path, engine.kv_key())
+    longer = prompt + engine.tokenize(" And then?")[1:]
+    slot.reset()
+    assert restore(entry, slot.target, None, longer) == len(prompt)
+    slot.reset()
+    assert restore(entry, slot.target, None, prompt[:50]) == 50 and slot.target.tokens == prompt[:50]
+    assert restore(entry, slot.target, None, prompt[:50]) == 0, "the cache holds as much already"
+
+
+def test_files_that_do_not_match_or_parse_are_refused_in_words(instruct_pair, instruct_engine: Engine,
+                                                              tmp_path: Path) -> None:
+    engine, slot = instruct_engine, instruct_engine.slots[0]
+    slot.reset()
+    slot.target.sync(_prompt(engine), logits=False)
+    path = tmp_path / "p.kv"
+    key = engine.kv_key()
+    write_entry(path, key, snapshot(slot.target, None))
+    other_model = KvKey.of(instruct_pair.draft, instruct_pair.draft, key.n_ctx, key.build)
+    with pytest.raises(KvStoreError, match="another target model"):
+        read_entry(path, other_model)
+    with pytest.raises(KvStoreError, match="another context size"):
+        read_entry(path, KvKey(key.target, key.draft, key.n_ctx * 2, key.build))
+    data = path.read_bytes()
+    (tmp_path / "cut.kv").write_bytes(data[:len(data) // 2])
+    with pytest.raises(KvStoreError, match="truncated"):
+        read_entry(tmp_path / "cut.kv", key)
+    flipped = bytearray(data)
+    flipped[-100] ^= 0xFF
+    (tmp_path / "bad.kv").write_bytes(bytes(flipped))
+    with pytest.raises(KvStoreError, match="checksum"):
+        read_entry(tmp_path / "bad.kv", key)
+    (tmp_path / "junk.kv").write_bytes(b"not a kv file")
+    with pytest.raises(KvStoreError, match="not a specchat KV file"):
+        read_entry(tmp_path / "junk.kv", key)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", "run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SPECCHAT_MEMORY_DIR": ""})
+
+
+def test_run_prompt_cache_restores_a_later_run_and_refuses_another_models_file(instruct_pair, tmp_path: Path) -> None:
+    path = tmp_path / "prompt.kv"
+    common = ["-m", str(instruct_pair.target), "-md", str(instruct_pair.draft), LONG, "-n", "16", "--temp", "0",
+              "-t", "2", "--json", "--prompt-cache", str(path)]
+    first = _run(*common)
+    assert first.returncode == 0, first.stderr
+    assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    second = _run(*common)
+    assert second.returncode == 0 and "restored" in second.stderr
+    events = [[json.loads(line) for line in out.stdout.splitlines()] for out in (first, second)]
+    assert events[1][0]["n_cached"] == events[1][0]["n_tokens"] - 1 and events[0][0]["n_cached"] == 0
+    assert events[0][-1]["tokens"] == events[1][-1]["tokens"]
+    other = _run("-m", str(instruct_pair.draft), LONG, "-n", "4", "-t", "2", "--prompt-cache", str(path))
+    assert other.returncode == 0
+    refused = [line for line in other.stderr.splitlines() if "prompt cache" in line]
+    assert len(refused) == 1 and "another target model" in refused[0]
