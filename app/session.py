@@ -27,6 +27,7 @@ simple rule on random conversations).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -35,6 +36,8 @@ from app.prompt_format import PromptFormat
 from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, Event, until_done
+from backends.kv import common_prefix
+from backends.kv_store import KvDiskStore, kv_dir, restore, snapshot
 from backends.sampling import GenParams
 from backends.strategies.base import never
 
@@ -99,8 +102,17 @@ def first_fitting_cut(fits: Callable[[int], bool], hint: int, last: int) -> int:
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, system_prompt: str = "") -> None:
+    def __init__(self, engine: Engine, system_prompt: str = "", kv_store: KvDiskStore | None | bool = True
+                 ) -> None:
+        """`kv_store`: where each turn's cells are kept on disk, so that a conversation reopened later (F5,
+        another day) decodes only what is new (backends.kv_store); True: the data dir's (off where
+        $SPECCHAT_KV_DIR is empty), None or False: none."""
         self.engine = engine
+        if kv_store is True:
+            folder = kv_dir()
+            kv_store = KvDiskStore(folder, engine.kv_key()) if folder is not None else None
+        self.kv_store: KvDiskStore | None = kv_store or None
+        self.restored: tuple[int, float] | None = None  # tokens restored from disk for the last turn, seconds
         self.system_prompt = system_prompt
         self.format = PromptFormat(engine)
         self.messages: list[ChatMessage] = []
@@ -179,13 +191,33 @@ class ChatSession:
         """
         prompt, params = self.request_params(user_text, request)
         strategy = self.engine.strategy(request.strategy, request.options)
+        self._restore(prompt)
         events = strategy.generate(prompt, params, should_stop)
         for event in events:
             # Committed before Done is handed on: a consumer may stop iterating at Done.
             if isinstance(event, Done) and event.reason != "error":
                 self.messages += [ChatMessage("user", user_text),
                                   ChatMessage("assistant", event.text, reasoning=event.reasoning)]
+                if self.kv_store is not None:
+                    slot = self.engine.slots[0]
+                    entry = snapshot(slot.target, slot.draft)
+                    if entry is not None:
+                        self.kv_store.put(entry)  # written on the store's thread
             yield event
+
+    def _restore(self, prompt: list[int]) -> None:
+        """The conversation's cells from disk where they start the prompt beyond what the cache holds (a
+        conversation reopened, or the app started again)."""
+        self.restored = None
+        if self.kv_store is None:
+            return
+        slot = self.engine.slots[0]
+        t0 = time.perf_counter()
+        entry = self.kv_store.best(prompt, common_prefix(slot.target.tokens, prompt))
+        if entry is not None:
+            n = restore(entry, slot.target, slot.draft, prompt)
+            if n:
+                self.restored = (n, time.perf_counter() - t0)
 
 
 def measure_plain_decoding(engine: Engine, n_tokens: int = CALIBRATION_TOKENS) -> float:

@@ -21,6 +21,11 @@ do, with what makes a file safe to load again:
   an entry. The draft's cells are optional (a strategy without a draft, or
   a draft that had not caught up): whatever a cache lacks it decodes.
 
+- `KvDiskStore`: a folder of entries found by the longest prefix of a
+  prompt, bounded in bytes (least recently used out), written off the
+  decoding thread: the chat app keeps each conversation's cells after every
+  turn there, so that reopening it (F5, another day) decodes only what is new.
+
 The restored cells are the ones decoding the same tokens would have made, so
 every strategy's output after a restore is token for token what it is after
 decoding the prompt at temperature 0.
@@ -31,9 +36,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from backends.device_cost import file_identity
 from models.files import write_atomic
@@ -168,3 +174,142 @@ def restore(entry: KvEntry, target: "KvSequence", draft: "KvSequence | None", pr
                 draft.restore(entry.draft_tokens, bytearray(entry.draft_state)) and d_shared < len(draft.tokens):
             draft.truncate(d_shared)
     return len(target.tokens)
+
+
+# The store's bound when none is given: room for about ten 4,000-token conversations of a 7B model with a
+# grouped-query cache (57 kB a token: Qwen2.5-7B's 28 layers x 2 x 4 heads x 128 x 2 bytes), or a few hundred of
+# SmolLM2's (23 kB a token for the target, as much for its draft).
+DISK_BYTES = 2_000_000_000
+# Conversations shorter than this are not kept: they decode in about the time reading them back takes.
+MIN_TOKENS = 64
+KV_DIR = "kv"
+
+
+def kv_dir(configured: Path | None = None) -> Path | None:
+    """The store's folder: `configured`, $SPECCHAT_KV_DIR (empty: off), else the data dir's `kv/`."""
+    import os
+
+    from models.paths import data_dir
+
+    if configured is not None:
+        return configured
+    env = os.environ.get("SPECCHAT_KV_DIR")
+    if env is not None:
+        return Path(env).expanduser() if env else None
+    return data_dir() / KV_DIR
+
+
+class KvDiskStore:
+    """Entries in a folder, one file each (named by the hash of their tokens and key), least recently used
+    out beyond `max_bytes`; an entry whose tokens another one extends is replaced by it. Files of other keys
+    (other models, contexts, builds) share the folder and the bound. Writes run on a thread of their own,
+    after the turn that made them: the next turn never waits for the disk."""
+
+    def __init__(self, folder: Path, key: KvKey, max_bytes: int = DISK_BYTES,
+                 warn: Callable[[str], None] = lambda _m: None) -> None:
+        self.folder = folder
+        self.key = key
+        self.max_bytes = max_bytes
+        self.warn = warn
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
+        self._index: dict[Path, tuple[int, ...]] | None = None  # this key's entries: their target tokens
+
+    def _tag(self) -> str:
+        return hashlib.sha256(json.dumps(self.key.as_json()).encode()).hexdigest()[:16]
+
+    def _entries(self) -> dict[Path, tuple[int, ...]]:
+        """This key's entries, read from their header lines once (a file that does not parse is set aside)."""
+        if self._index is None:
+            self._index = {}
+            for path in sorted(self.folder.glob(f"{self._tag()}-*.kv")):
+                try:
+                    with path.open("rb") as f:
+                        header = json.loads(f.readline())
+                    if self.key.differs(header.get("key")) is None:
+                        self._index[path] = tuple(int(t) for t in header["target_tokens"])
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                    self._set_aside(path, "its header does not parse")
+        return self._index
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        self.warn(f"KV file {path.name} set aside: {why}")
+        try:
+            path.rename(path.with_suffix(".bad"))
+        except OSError:
+            path.unlink(missing_ok=True)
+        if self._index is not None:
+            self._index.pop(path, None)
+
+    def best(self, prompt: Sequence[int], holds: int = 0) -> KvEntry | None:
+        """The entry that starts `prompt` with the longest prefix, if it beats `holds` (what the cache holds
+        already) by MIN_TOKENS; a file that no longer reads is set aside, and None."""
+        from backends.kv import common_prefix
+
+        self.wait()
+        best, shared = None, holds + MIN_TOKENS - 1
+        for path, tokens in self._entries().items():
+            n = common_prefix(tokens, prompt)
+            if n > shared:
+                best, shared = path, n
+        if best is None:
+            return None
+        try:
+            entry = read_entry(best, self.key)
+        except KvStoreError as e:
+            self._set_aside(best, str(e).removeprefix(f"{best}: "))
+            return None
+        best.touch()  # recently used
+        return entry
+
+    def put(self, entry: KvEntry) -> None:
+        """Keep `entry` (written on the store's thread); shorter than MIN_TOKENS, or larger than the bound, not."""
+        if len(entry.target_tokens) < MIN_TOKENS or entry.nbytes > self.max_bytes:
+            return
+        self._pool.submit(self._write, entry)
+
+    def _write(self, entry: KvEntry) -> None:
+        try:
+            name = hashlib.sha256(repr(entry.target_tokens).encode()).hexdigest()[:24]
+            path = self.folder / f"{self._tag()}-{name}.kv"
+            write_entry(path, self.key, entry)
+            index = self._entries()
+            for other, tokens in list(index.items()):  # what this entry extends, it replaces
+                if other != path and entry.target_tokens[:len(tokens)] == tokens:
+                    other.unlink(missing_ok=True)
+                    del index[other]
+            index[path] = entry.target_tokens
+            self._bound()
+        except OSError as e:
+            self.warn(f"KV file not written: {e.strerror or e}")
+
+    def _bound(self) -> None:
+        """Least recently used files out until the folder (every key's files) is within the bound."""
+        files = []
+        for path in self.folder.glob("*.kv"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            if self._index is not None:
+                self._index.pop(path, None)
+            total -= size
+
+    def wait(self) -> None:
+        """Until every write handed to the store is on disk."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def describe_store(folder: Path) -> dict[str, object]:
+    """What the store holds, without loading a model: entries, bytes, set-aside files."""
+    files = list(folder.glob("*.kv")) if folder.is_dir() else []
+    return {"folder": str(folder), "entries": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "set_aside": len(list(folder.glob("*.bad"))) if folder.is_dir() else 0}

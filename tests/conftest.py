@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["SPECCHAT_COST_CACHE"] = ""
 # The speculation memory too: tests that need one give it a folder of their own.
 os.environ["SPECCHAT_MEMORY_DIR"] = ""
+# And the KV cells the chat app keeps on disk (backends.kv_store): tests that need them give them a folder.
+os.environ["SPECCHAT_KV_DIR"] = ""
 
 from gguf_factory import TinyModel, spm_vocab, write_llama_gguf  # noqa: E402
 

@@ -10,11 +10,13 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from backends.engine import Engine, EngineConfig
+from backends.config import StrategyOptions
+from backends.engine import Engine
 from backends.kv_store import KvKey, KvStoreError, read_entry, restore, snapshot, write_entry
 from backends.sampling import GenParams
 from app.prompt_format import PromptFormat
@@ -118,3 +120,85 @@ def test_run_prompt_cache_restores_a_later_run_and_refuses_another_models_file(i
     assert other.returncode == 0
     refused = [line for line in other.stderr.splitlines() if "prompt cache" in line]
     assert len(refused) == 1 and "another target model" in refused[0]
+
+
+# -- the chat app's store ---------------------------------------------------------------------------------------------
+
+def _turns(engine: Engine, store, first: str, second: str):
+    from app.session import ChatSession, TurnRequest
+    from backends.events import Prefilled, until_done
+
+    request = TurnRequest(strategy="auto", params=GenParams(max_tokens=32), options=StrategyOptions())
+    session = ChatSession(engine, kv_store=store)
+    until_done(session.turn(first, request))
+    history = list(session.messages)
+    engine.slots[0].reset()  # the app closed: nothing in RAM
+    reopened = ChatSession(engine, kv_store=store)
+    reopened.reset(history)
+    events = list(reopened.turn(second, request))
+    prefilled = next(e for e in events if isinstance(e, Prefilled))
+    return reopened, prefilled, events[-1]
+
+
+def test_a_reopened_conversation_restores_its_cells_and_answers_the_same(instruct_engine: Engine,
+                                                                        tmp_path: Path) -> None:
+    """A turn's cells are kept on disk after it; the conversation reopened in a fresh slot restores them and
+    decodes only the new message, and answers greedily as without the store."""
+    from backends.kv_store import KvDiskStore
+
+    engine = instruct_engine
+    store = KvDiskStore(tmp_path / "kv", engine.kv_key())
+    try:
+        with_store, prefilled, done = _turns(engine, store, LONG, "Which box is item 7?")
+        assert with_store.restored is not None and with_store.restored[0] > 100
+        assert prefilled.n_cached >= with_store.restored[0] - 1
+        _, cold, reference = _turns(engine, None, LONG, "Which box is item 7?")
+        assert cold.n_cached == 0 and done.tokens == reference.tokens
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (tmp_path / "kv").glob("*.kv"))
+    finally:
+        store.close()
+
+
+def test_the_store_stays_within_its_bound_over_10000_turns_and_survives_a_kill(tmp_path: Path) -> None:
+    """Synthetic cells (the bookkeeping, not llama.cpp): 10,000 turns of conversations that grow and start over
+    never leave more than the bound on disk, an entry that extends another replaces it, and a writer killed
+    with -9 in the middle of writing leaves every file readable (written beside, then renamed)."""
+    from backends.kv_store import MIN_TOKENS, KvDiskStore, KvEntry
+
+    key = KvKey(("t",), (), 512, "test")
+    folder = tmp_path / "kv"
+    store = KvDiskStore(folder, key, max_bytes=200_000)
+    try:
+        for turn in range(10_000):
+            conversation, length = divmod(turn, 20)
+            tokens = tuple([conversation] + list(range(MIN_TOKENS + length)))
+            store.put(KvEntry(tokens, bytes([turn % 256]) * 1000))
+        store.wait()
+        assert sum(p.stat().st_size for p in folder.glob("*.kv")) <= 200_000
+        last = tuple([499] + list(range(MIN_TOKENS + 19)))
+        assert store.best(last + (1, 2)).target_tokens == last, "the longest turn of the last conversation"
+        assert len([t for t in store._entries().values() if t[0] == 499]) == 1, "extended entries are replaced"
+    finally:
+        store.close()
+    script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from pathlib import Path\n"
+              "from backends.kv_store import KvKey, KvEntry, write_entry\n"
+              f"key = KvKey(('t',), (), 512, 'test')\n"
+              "i = 0\n"
+              "while True:\n"
+              f"    write_entry(Path({str(folder)!r}) / 'big.kv', key, KvEntry(tuple(range(100)), bytes([i % 256]) * 20_000_000))\n"
+              "    i += 1\n")
+    writer = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 120
+    while not (folder / "big.kv").exists() and time.monotonic() < deadline:  # one whole write, then more
+        time.sleep(0.05)
+    time.sleep(0.5)  # in the middle of a later write
+    writer.kill()
+    writer.wait()
+    entry = read_entry(folder / "big.kv", key)
+    assert len(entry.target_state) == 20_000_000
+    reread = KvDiskStore(folder, key)
+    try:
+        assert reread.best(last + (1,)) is not None, "the other entries are still there and readable"
+    finally:
+        reread.close()

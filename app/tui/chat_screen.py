@@ -241,7 +241,9 @@ class ChatScreen(Screen):
 
     def on_prompt_decoded(self, message: PromptDecoded) -> None:
         p = message.prefilled
-        self.stats.show(state=f"answering · prompt {p.n_tokens} tokens, {p.n_cached} cached")
+        restored = self.session.restored if self.session is not None else None
+        kept = f", restored {restored[0]} tokens in {1000 * restored[1]:.0f} ms" if restored else ""
+        self.stats.show(state=f"answering · prompt {p.n_tokens} tokens, {p.n_cached} cached{kept}")
         self._pacer.started()
 
     def on_tokens_arrived(self, message: TokensArrived) -> None:
