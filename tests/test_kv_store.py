@@ -202,3 +202,24 @@ def test_the_store_stays_within_its_bound_over_10000_turns_and_survives_a_kill(t
         assert reread.best(last + (1,)) is not None, "the other entries are still there and readable"
     finally:
         reread.close()
+
+
+def test_cache_stats_and_clear_cover_the_kv_cells(tmp_path: Path) -> None:
+    from backends.kv_store import KvEntry
+
+    folder = tmp_path / "kv"
+    write_entry(folder / "a.kv", KvKey(("t",), (), 512, "test"), KvEntry(tuple(range(80)), b"x" * 5000))
+    (folder / "b.bad").write_bytes(b"junk")
+    env = {**os.environ, "SPECCHAT_KV_DIR": str(folder), "SPECCHAT_MEMORY_DIR": str(tmp_path / "mem")}
+
+    def cache(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "app", "cache", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    stats = cache("stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    kv = json.loads(stats.stdout.splitlines()[0])["kv"]
+    assert (kv["entries"], kv["set_aside"]) == (1, 1) and kv["bytes"] > 5000
+    cleared = cache("clear")
+    assert cleared.returncode == 0 and "cleared 2 KV files" in cleared.stdout
+    assert not list(folder.iterdir())

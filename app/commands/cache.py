@@ -1,4 +1,9 @@
-"""`specchat cache stats` and `specchat cache clear`: the speculation memory, seen and emptied by its owner.
+"""`specchat cache stats` and `specchat cache clear`: the speculation memory and the KV cells kept on disk,
+seen and emptied by their owner.
+
+The chat app keeps each conversation's KV cells in the data dir's `kv/`
+folder (or $SPECCHAT_KV_DIR; backends.kv_store); `stats` says how many and
+how big, `clear` deletes them with the memory.
 
 The memory (backends.memory) keeps the ends of earlier prompts and their
 outputs, one file per vocabulary, in the data dir's `suffix/` folder (or
@@ -18,13 +23,14 @@ from app.errors import UserError
 
 
 def add_cache_parser(sub: argparse._SubParsersAction, parser_class: type) -> None:
-    cache = sub.add_parser("cache", help="the speculation memory: stats, clear",
-                           description="The speculation memory of earlier outputs (one file per vocabulary).")
+    cache = sub.add_parser("cache", help="the speculation memory and the KV cells on disk: stats, clear",
+                           description="The speculation memory of earlier outputs (one file per vocabulary) and "
+                                       "the conversations' KV cells the chat app keeps on disk.")
     verbs = cache.add_subparsers(dest="cache_command", parser_class=parser_class, required=True)
     stats = verbs.add_parser("stats", help="what the memory holds and how well it proposes")
     stats.add_argument("--json", action="store_true", help="one JSON object per file")
-    clear = verbs.add_parser("clear", help="delete the memory (every vocabulary's, or one file)")
-    clear.add_argument("file", nargs="?", help="one memory file (default: all of them)")
+    clear = verbs.add_parser("clear", help="delete the memory (every vocabulary's, or one file) and the KV cells")
+    clear.add_argument("file", nargs="?", help="one memory file (default: all of them, and the KV cells)")
 
 
 def _folder() -> Path | None:
@@ -33,9 +39,31 @@ def _folder() -> Path | None:
     return memory_dir(None)
 
 
+def _kv(args: argparse.Namespace) -> None:
+    """The KV cells on disk: stats, or cleared (with every memory file, not with one)."""
+    from backends.kv_store import describe_store, kv_dir
+
+    folder = kv_dir()
+    if folder is None or (args.cache_command == "clear" and args.file):
+        return
+    if args.cache_command == "stats":
+        info = describe_store(folder)
+        if args.json:
+            print(json.dumps({"kv": info}))
+        else:
+            print(f"KV cells on disk: {info['entries']} conversations, {info['bytes'] / 1e6:.1f} MB in {folder}"
+                  + (f" ({info['set_aside']} files set aside)" if info["set_aside"] else ""))
+        return
+    files = [*folder.glob("*.kv"), *folder.glob("*.bad")] if folder.is_dir() else []
+    for path in files:
+        path.unlink(missing_ok=True)
+    print(f"cleared {len(files)} KV file{'s' * (len(files) != 1)} in {folder}")
+
+
 def run_cache(args: argparse.Namespace) -> int:
     from backends.memory_file import counters_path, describe_file, memory_files
 
+    _kv(args)
     folder = _folder()
     if folder is None:
         raise UserError("the speculation memory is off ($SPECCHAT_MEMORY_DIR or $SPECCHAT_SUFFIX_CACHE is empty)")
