@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("-m", "--model", help=MODEL_HELP + " (default: the saved one)")
     chat.add_argument("-md", "--model-draft", help=DRAFT_HELP)
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--resume", nargs="?", const="last", default=None, metavar="ID",
+                      help="reopen a saved conversation (its id, as F5 lists them; default: the last one); its KV "
+                           "cells come back from disk instead of being decoded")
     _add_strategy_flag(chat)
     _add_generation_flags(chat, output=False)
     # Only the flags given on the command line override the saved settings.

@@ -8,6 +8,7 @@ to remember the last model and strategy.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 
 from app.errors import UserError
@@ -67,6 +68,9 @@ def chat(args: argparse.Namespace) -> int:
         settings = settings_from_flags(saved, args) if args.command == "chat" else saved
     except ValueError as e:
         raise UserError(str(e)) from None
+    resume = getattr(args, "resume", None)
+    if resume is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", resume):
+        raise UserError(f"--resume {resume!r}: not a conversation id (see F5 in the app), or 'last'")
     _restore_terminal_on_fatal_exit()
-    make_app(settings, warning=warning).run()
+    make_app(settings, warning=warning, resume=resume).run()
     return 0

@@ -20,10 +20,10 @@ class SpecchatApp(App):
     TITLE = "specchat"
 
     def __init__(self, settings: Settings, settings_path: Path, store: ConversationStore,
-                 warning: str | None = None, calibrate: bool = True) -> None:
+                 warning: str | None = None, calibrate: bool = True, resume: str | None = None) -> None:
         super().__init__()
         self.settings_path = settings_path
-        self.chat = ChatScreen(settings, store, self._save_settings, calibrate=calibrate)
+        self.chat = ChatScreen(settings, store, self._save_settings, calibrate=calibrate, resume=resume)
         self._warning = warning
 
     def on_mount(self) -> None:
@@ -43,13 +43,14 @@ class SpecchatApp(App):
 
 def make_app(settings: Settings | None = None, *, settings_path: Path | None = None,
              conversations: Path | None = None, calibrate: bool = True,
-             warning: str | None = None) -> SpecchatApp:
+             warning: str | None = None, resume: str | None = None) -> SpecchatApp:
     """The chat app. Without `settings`, the saved ones (defaults on first start).
 
     `calibrate` measures plain decoding after each load, the baseline of the
-    speedup shown; tests that pin the picture turn it off.
+    speedup shown; tests that pin the picture turn it off. `resume` reopens a
+    saved conversation (its id, or "last") once the model is loaded.
     """
     path = settings_path or config_dir() / SETTINGS_FILE
     if settings is None:
         settings, warning = load_settings(path)
-    return SpecchatApp(settings, path, ConversationStore(conversations), warning, calibrate)
+    return SpecchatApp(settings, path, ConversationStore(conversations), warning, calibrate, resume)

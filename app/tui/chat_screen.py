@@ -76,9 +76,10 @@ class ChatScreen(Screen):
     generating: reactive[bool] = reactive(False, init=False)  # an answer is streaming
 
     def __init__(self, settings: Settings, store: ConversationStore, save: Callable[[Settings], None],
-                 calibrate: bool = True) -> None:
+                 calibrate: bool = True, resume: str | None = None) -> None:
         super().__init__()
         self.settings = settings
+        self._resume = resume  # a saved conversation to reopen once the model is loaded (`chat --resume`)
         self.store = store
         self._save = save
         self.calibrate = calibrate
@@ -190,6 +191,15 @@ class ChatScreen(Screen):
         mode = "plain completion (no chat template)" if self.session.plain else "chat template"
         self._note(f"loaded {names} · {mode}")
         self.stats.show(state="ready")
+        if self._resume is not None:
+            wanted, self._resume = self._resume, None
+            if wanted == "last":
+                saved = self.store.list()
+                if not saved:
+                    self.notify("no saved conversation to resume", severity="warning")
+                    return
+                wanted = saved[0].id
+            self._reopen(wanted)
 
     def on_load_failed(self, message: LoadFailed) -> None:
         self._end_loading()
