@@ -16,6 +16,12 @@ restored cells are the ones the prompt would have decoded).
 Bounded in bytes, least recently used first out. An entry whose tokens
 another entry extends is replaced by it (the longer one serves every prompt
 the shorter one did).
+
+With a disk store (backends.kv_store.KvDiskStore), what leaves RAM for room
+goes to disk, and a prompt that no RAM entry starts well is looked up there;
+when the server stops, every entry and every slot's cells go to disk
+(`spill`), so a restarted server answers a returning conversation or an
+agent's long prefix at once.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from backends.kv import KvSequence, common_prefix
+from backends.kv_store import KvDiskStore, KvEntry, restore
 
 # A slot's cells are saved only when they hold at least this many tokens, and a saved conversation is put back
 # only when that spares decoding at least this many: fewer decode in about one plain step (48 prompt tokens of
@@ -48,10 +55,11 @@ class CacheStats:
 class PromptCache:
     """Saved sequence states by their tokens, at most `max_bytes` in all (0: off)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, disk: KvDiskStore | None = None) -> None:
         if max_bytes < 0:
             raise ValueError("the prompt cache's size must be 0 (off) or more")
         self.max_bytes = max_bytes
+        self.disk = disk
         self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._saved = self._restored = self._tokens_restored = 0
@@ -74,6 +82,7 @@ class PromptCache:
             if n > shared:
                 best, shared = tokens, n
         if best is None or shared - keep < MIN_TOKENS:
+            self._from_disk(seq, prompt, max(keep, shared))
             return
         self._entries.move_to_end(best)
         if seq.restore(best, self._entries[best]):
@@ -96,10 +105,36 @@ class PromptCache:
         for other in shorter:
             self._drop(other)
         while self._bytes + len(state) > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            oldest = next(iter(self._entries))
+            if self.disk is not None:  # out of RAM, onto disk
+                self.disk.put(KvEntry(oldest, bytes(self._entries[oldest])))
+            self._drop(oldest)
         self._entries[tokens] = state
         self._bytes += len(state)
         self._saved += 1
 
     def _drop(self, tokens: tuple[int, ...]) -> None:
         self._bytes -= len(self._entries.pop(tokens))
+
+    def _from_disk(self, seq: KvSequence, prompt: Sequence[int], holds: int) -> None:
+        """The disk store's entry that starts `prompt` best, where it beats `holds` tokens by MIN_TOKENS."""
+        if self.disk is None:
+            return
+        entry = self.disk.best(prompt, holds)
+        if entry is not None:
+            before = common_prefix(seq.tokens, prompt)
+            n = restore(entry, seq, None, prompt)
+            if n:
+                self._restored += 1
+                self._tokens_restored += n - before
+
+    def spill(self, held: Sequence[KvSequence] = ()) -> None:
+        """Every entry, and the cells each of `held` holds, onto disk (the server stops); waits for the writes."""
+        if self.disk is None:
+            return
+        for tokens, state in self._entries.items():
+            self.disk.put(KvEntry(tokens, bytes(state)))
+        for seq in held:
+            if seq.tokens:
+                self.disk.put(KvEntry(tuple(seq.tokens), bytes(seq.save())))
+        self.disk.close()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from backends.config import PROMPT_CACHE_MIB, StrategyOptions
 from backends.events import Done, Event, Prefilled
 from backends.kv import common_prefix
+from backends.kv_store import KvDiskStore, kv_dir
 from backends.prompt_cache import PromptCache
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
@@ -39,7 +40,9 @@ class SlotPool:
         self.engine = engine
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
-        self.prompt_cache = PromptCache(cache_mib << 20)
+        folder = kv_dir()  # what leaves RAM, and what the slots hold when the server stops, goes to disk
+        self.prompt_cache = PromptCache(cache_mib << 20, KvDiskStore(folder, engine.kv_key())
+                                        if folder is not None and cache_mib else None)
         self._admitted = 0
         self._last_used = [0] * len(engine.slots)  # when each slot last took a request (admissions so far)
         self.kv_errors = 0  # slots found holding other cells than their record after a generation (emptied)
@@ -50,6 +53,10 @@ class SlotPool:
         self.cache_stats = self.prompt_cache.stats()  # as of the last admission (read by other threads)
         for slot in engine.slots:  # auto prices its rows by the batch they join
             slot.load = self.scheduler.load
+
+    def spill(self) -> None:
+        """The server stops: the prompt cache and every slot's cells onto disk (backends.prompt_cache)."""
+        self.prompt_cache.spill([slot.target for slot in self.engine.slots])
 
     @property
     def size(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -191,6 +192,10 @@ class EngineWorker:
                 self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
                                                   code="cancelled")))
         self._flush()
+        try:  # what the slots and the prompt cache hold, onto disk for the next start (backends.prompt_cache)
+            self.pool.spill()
+        except Exception as e:  # noqa: BLE001 - a full disk must not keep the server from stopping
+            print(f"specchat serve: KV cells not kept on disk: {e}", file=sys.stderr, flush=True)
 
     def _post(self, job: Job, item: object) -> None:
         self._outbox.append((job, item))
