@@ -45,6 +45,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USER, f"specchat: error: {message} (see '{self.prog} --help')\n")
 
 
+def _size(text: str) -> int:
+    from app.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp: float = CHAT_TEMPERATURE) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--n-predict", type=int, default=128, dest="max_tokens", help="tokens to generate (default: 128)")
@@ -74,6 +83,9 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     r.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="target layers to offload to the GPU")
     r.add_argument("-ngld", "--gpu-layers-draft", type=int, default=0, help="draft layers to offload to the GPU")
+    r.add_argument("--kv-cache-disk", type=_size, default=None, metavar="SIZE",
+                   help="KV cells kept on disk for the chat app's conversations and the server's prompt cache, "
+                        "at most SIZE (e.g. 2G; 0 turns it off; default: 2G)")
     r.add_argument("--rpc", type=_rpc_servers, default=None, metavar="HOST:PORT[,HOST:PORT...]",
                    help="run the target's offloaded layers (-ngl) on llama.cpp RPC servers (`specchat rpc-server`)")
     if not output:

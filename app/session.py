@@ -37,7 +37,7 @@ from backends.config import StrategyOptions
 from backends.engine import Engine
 from backends.events import Done, Event, until_done
 from backends.kv import common_prefix
-from backends.kv_store import KvDiskStore, kv_dir, restore, snapshot
+from backends.kv_store import DISK_BYTES, KvDiskStore, kv_dir, restore, snapshot
 from backends.sampling import GenParams
 from backends.strategies.base import never
 
@@ -102,15 +102,15 @@ def first_fitting_cut(fits: Callable[[int], bool], hint: int, last: int) -> int:
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, system_prompt: str = "", kv_store: KvDiskStore | None | bool = True
-                 ) -> None:
+    def __init__(self, engine: Engine, system_prompt: str = "", kv_store: KvDiskStore | None | bool = True,
+                 kv_bytes: int = DISK_BYTES) -> None:
         """`kv_store`: where each turn's cells are kept on disk, so that a conversation reopened later (F5,
-        another day) decodes only what is new (backends.kv_store); True: the data dir's (off where
-        $SPECCHAT_KV_DIR is empty), None or False: none."""
+        another day) decodes only what is new (backends.kv_store); True: the data dir's, at most `kv_bytes`
+        (off where $SPECCHAT_KV_DIR is empty or `kv_bytes` is 0), None or False: none."""
         self.engine = engine
         if kv_store is True:
             folder = kv_dir()
-            kv_store = KvDiskStore(folder, engine.kv_key()) if folder is not None else None
+            kv_store = KvDiskStore(folder, engine.kv_key(), kv_bytes) if folder is not None and kv_bytes else None
         self.kv_store: KvDiskStore | None = kv_store or None
         self.restored: tuple[int, float] | None = None  # tokens restored from disk for the last turn, seconds
         self.system_prompt = system_prompt

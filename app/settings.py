@@ -18,6 +18,7 @@ from typing import Any, Mapping, TypeVar
 import platformdirs
 
 from backends.config import MEMORY_TOKENS, StrategyOptions
+from backends.kv_store import DISK_BYTES
 from backends.registry import DEFAULT_STRATEGY, STRATEGIES
 from backends.sampling import GenParams
 from backends.settings_schema import Knob, json_value, setting_of, strategy_flags
@@ -58,6 +59,9 @@ class Settings:
     # A thinking model thinks before it answers (its template's enable_thinking); its budget is
     # params.reasoning_budget (backends.reasoning).
     thinking: bool = True
+    # The KV cells kept on disk (backends.kv_store): the chat app's conversations, the server's prompt cache;
+    # its bound in bytes (0: off).
+    kv_disk: int = DISK_BYTES
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -68,6 +72,8 @@ class Settings:
             raise ValueError("the batch size (-b) must be at least 1")
         if self.memory_size < 1000:
             raise ValueError("--memory-size must be at least 1000 tokens")
+        if self.kv_disk < 0:
+            raise ValueError("--kv-cache-disk must be 0 (off) or more")
         if self.threads is not None and self.threads < 1:
             raise ValueError("the thread count (-t) must be at least 1")
 
@@ -118,6 +124,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "ignore_eos": ("params.ignore_eos",),
     "thinking": ("thinking",),
     "reasoning_budget": ("params.reasoning_budget",),
+    "kv_cache_disk": ("kv_disk",),
     "memory": ("memory",),
     "memory_size": ("memory_size",),
     "ctx_size": ("n_ctx",),

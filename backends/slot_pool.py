@@ -36,12 +36,14 @@ if TYPE_CHECKING:
 
 
 class SlotPool:
-    def __init__(self, engine: "Engine", cache_mib: int = PROMPT_CACHE_MIB) -> None:
+    def __init__(self, engine: "Engine", cache_mib: int = PROMPT_CACHE_MIB, kv_disk: int = 0) -> None:
+        """`kv_disk`: the bound in bytes of the KV store on disk the prompt cache spills to (0: none; the
+        server's --kv-cache-disk); a benchmark keeps it off, so that no run starts from another's cells."""
         self.engine = engine
         self.scheduler = Scheduler(engine.target_lane)
         self.free = list(range(len(engine.slots)))
-        folder = kv_dir()  # what leaves RAM, and what the slots hold when the server stops, goes to disk
-        self.prompt_cache = PromptCache(cache_mib << 20, KvDiskStore(folder, engine.kv_key())
+        folder = kv_dir() if kv_disk else None  # what leaves RAM, and the slots' cells when the server stops
+        self.prompt_cache = PromptCache(cache_mib << 20, KvDiskStore(folder, engine.kv_key(), kv_disk)
                                         if folder is not None and cache_mib else None)
         self._admitted = 0
         self._last_used = [0] * len(engine.slots)  # when each slot last took a request (admissions so far)

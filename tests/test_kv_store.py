@@ -223,3 +223,12 @@ def test_cache_stats_and_clear_cover_the_kv_cells(tmp_path: Path) -> None:
     cleared = cache("clear")
     assert cleared.returncode == 0 and "cleared 2 KV files" in cleared.stdout
     assert not list(folder.iterdir())
+
+
+def test_sizes_read_as_people_write_them() -> None:
+    from app.units import parse_size
+
+    assert [parse_size(t) for t in ("2G", "500M", "64k", "1.5GB", "0", "123")] == \
+        [2 * 10**9, 5 * 10**8, 64_000, 15 * 10**8, 0, 123]
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")

@@ -119,7 +119,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             rows = min(settings.n_batch, max(AUTO_K_MAX, COST_ROWS_MAX))
             if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:
                 print_progress("cannot measure the device's batch cost here: auto and tree decode plainly")
-        worker = EngineWorker(engine, cache_mib=args.cache_ram)
+        worker = EngineWorker(engine, cache_mib=args.cache_ram, kv_disk=settings.kv_disk)
         try:  # --no-think is every chat's default: refused now on a template that cannot turn thinking off
             worker.format.thinking_kwargs(settings.thinking)
         except ThinkingError as e:

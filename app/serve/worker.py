@@ -115,12 +115,13 @@ class EngineWorker:
     order. A request that fails ends alone and empties only its own slot.
     """
 
-    def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED, cache_mib: int = PROMPT_CACHE_MIB) -> None:
+    def __init__(self, engine: Engine, max_queued: int = MAX_QUEUED, cache_mib: int = PROMPT_CACHE_MIB,
+                 kv_disk: int = 0) -> None:
         self.engine = engine
         self.format = PromptFormat(engine)
         self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
         self.reasoning = self.format.reasoning  # how it thinks (None: it does not): found once, before any request
-        self.pool = SlotPool(engine, cache_mib)
+        self.pool = SlotPool(engine, cache_mib, kv_disk)
         self.parallel = self.pool.size
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._max_queued = max_queued

@@ -184,7 +184,7 @@ class ChatScreen(Screen):
         engine = message.engine
         previous = self.session.messages if self.session else []
         self.engine = engine
-        self.session = ChatSession(engine, self.settings.system_prompt)
+        self.session = ChatSession(engine, self.settings.system_prompt, kv_bytes=self.settings.kv_disk)
         self.session.reset(previous)
         names = engine.config.target.name + (f" + {engine.config.draft.name}" if engine.config.draft else "")
         self.app.sub_title = names
