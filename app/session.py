@@ -113,6 +113,7 @@ class ChatSession:
             kv_store = KvDiskStore(folder, engine.kv_key(), kv_bytes) if folder is not None and kv_bytes else None
         self.kv_store: KvDiskStore | None = kv_store or None
         self.restored: tuple[int, float] | None = None  # tokens restored from disk for the last turn, seconds
+        self._unkept = False  # the last turn's cells are not on disk yet
         self.system_prompt = system_prompt
         self.format = PromptFormat(engine)
         self.messages: list[ChatMessage] = []
@@ -198,12 +199,21 @@ class ChatSession:
             if isinstance(event, Done) and event.reason != "error":
                 self.messages += [ChatMessage("user", user_text),
                                   ChatMessage("assistant", event.text, reasoning=event.reasoning)]
-                if self.kv_store is not None:
-                    slot = self.engine.slots[0]
-                    entry = snapshot(slot.target, slot.draft)
-                    if entry is not None:
-                        self.kv_store.put(entry)  # written on the store's thread
+                self._unkept = True
             yield event
+        self.keep_cells()
+
+    def keep_cells(self) -> None:
+        """The last turn's cells onto disk (backends.kv_store), once: after the answer was shown, since copying
+        them takes a moment (docs/results.md, "KV cells on disk"; the write runs on a thread of its own).
+        turn() does it when its consumer reads past Done; the chat app, whose stream stops at Done, calls it."""
+        if not self._unkept or self.kv_store is None:
+            return
+        self._unkept = False
+        slot = self.engine.slots[0]
+        entry = snapshot(slot.target, slot.draft)
+        if entry is not None:
+            self.kv_store.put(entry)
 
     def _restore(self, prompt: list[int]) -> None:
         """The conversation's cells from disk where they start the prompt beyond what the cache holds (a

@@ -36,12 +36,12 @@ the end tag. The speculation memory and prompt lookup see the thinking text
 
 from __future__ import annotations
 
-import time
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from backends.errors import PromptError
-from backends.events import Channel, Done, Event, GenStats, Prefilled, StepEnd, Token
+from backends.events import Channel, Done, Event, GenStats, Prefilled, Token
 from backends.sampling import GenParams
 from backends.steps import Steps, relay, run_solo
 
@@ -65,12 +65,14 @@ CONTENT: Channel = "content"
 @dataclass(frozen=True)
 class ReasoningFormat:
     """A thinking model's tags; `opened`: its generation prompt opens the block (the output starts inside it);
-    `can_disable`: its template turns thinking off (`enable_thinking: false` renders the block closed)."""
+    `can_disable`: its template turns thinking off (`enable_thinking: false` renders the block closed); `after`:
+    what its template writes after the end tag, which a budget forces with it."""
 
     start: str
     end: str
     opened: bool = False
     can_disable: bool = False
+    after: str = ""  # what the template writes after the end tag (Qwen3's, QwQ's: "\n\n"), forced with it
 
     def __post_init__(self) -> None:
         if not self.start or not self.end or self.start == self.end:
@@ -95,7 +97,16 @@ def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningForm
         if "enable_thinking" in template:
             off = render({"enable_thinking": False})
             can_disable = off != on and off.rfind(end) > off.rfind(start) >= 0
-        return ReasoningFormat(start, end, opened, can_disable)
+        # What the model writes after the end tag: the newlines the template writes there itself (Qwen3's two,
+        # SmolLM3's one), or strips from earlier answers (QwQ: `.lstrip('\n')` after splitting at the tag).
+        written = re.findall(re.escape(end) + r"((?:\\n|\n)+)", template)
+        if written:
+            after = "\n" * max(w.count("\\n") + w.count("\n") for w in written)  # escaped or literal newlines
+        elif re.search(r"""lstrip\(\s*['"]\\n['"]\s*\)""", template):
+            after = "\n\n"
+        else:
+            after = ""
+        return ReasoningFormat(start, end, opened, can_disable, after)
     return None
 
 
@@ -322,7 +333,9 @@ class Thinking:
         forced: list[int] = []
         if splitter.thinking:  # the budget is spent inside the block: its end is forced
             message = params.reasoning_message
-            forced = self._tokens((message + "\n" if message else "") + fmt.end + "\n\n")
+            # The message, then the tag, as llama-server forces them; then what the template writes after the tag
+            # (llama-server leaves that to the model, and a small one may end its answer there, empty).
+            forced = self._tokens(message + fmt.end + fmt.after)
             reasoning, _ = splitter.push(message)
             reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
             tokens = [Token(tok, "", "accepted", source="grammar", reasoning=reasoning if i == 0 else "",

@@ -208,15 +208,16 @@ TEMPLATE_CASES = [
     # generation prompt: "<|im_start|>assistant\n", and "<think>\n\n</think>\n\n" when enable_thinking is false
     TemplateCase("Qwen-Qwen3-0.6B", "", "<|im_end|>", "<|im_start|>assistant\n",
                  "<|im_start|>assistant\n<think>\n\n</think>\n\n",
-                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True)),
+                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True, after="\n\n")),
     # test-chat.cpp:7001: "<|im_start|>assistant\n<think>\n" (forced open); off: "<think>\n\n</think>\n\n"
     TemplateCase("Qwen3.5-4B", "", "<|im_end|>", "<|im_start|>assistant\n<think>\n",
                  "<|im_start|>assistant\n<think>\n\n</think>\n\n",
-                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True)),
-    # llama.cpp's QwQ: "<|im_start|>assistant\n<think>\n", then "</think>" if not enable_thinking
+                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True, after="\n\n")),
+    # llama.cpp's QwQ: "<|im_start|>assistant\n<think>\n", then "</think>" if not enable_thinking; earlier
+    # answers are split at "</think>" and `.lstrip('\n')`: the model writes newlines after the tag
     TemplateCase("Qwen-QwQ-32B", "", "<|im_end|>", "<|im_start|>assistant\n<think>\n",
                  "<|im_start|>assistant\n<think>\n</think>",
-                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True)),
+                 ReasoningFormat("<think>", "</think>", opened=True, can_disable=True, after="\n\n")),
     # llama.cpp's R1 distill: "<｜Assistant｜><think>\n", then "</think>" if not enable_thinking
     TemplateCase("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
                  "<｜Assistant｜><think>\n", "<｜Assistant｜><think>\n</think>",
@@ -225,7 +226,7 @@ TEMPLATE_CASES = [
     # (its /think system prompt quotes "<think> Thought section </think>", closed)
     TemplateCase("HuggingFaceTB-SmolLM3-3B", "", "<|im_end|>", "<|im_start|>assistant\n",
                  "<|im_start|>assistant\n<think>\n\n</think>\n",
-                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True)),
+                 ReasoningFormat("<think>", "</think>", opened=False, can_disable=True, after="\n")),
     # test-chat.cpp:7013: "<|turn>model\n"; off: "<|channel>thought\n<channel|>" after it
     TemplateCase("google-gemma-4-31B-it", "<bos>", "<eos>", "<|turn>model\n",
                  "<|turn>model\n<|channel>thought\n<channel|>",

@@ -239,6 +239,7 @@ class ChatScreen(Screen):
         try:
             self._on_engine_thread(lambda: stream_events(
                 request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message, self._pacer))
+            self._on_engine_thread(session.keep_cells)  # the answer is shown: its cells go to disk now
         except ThinkingError as e:  # thinking off where the model cannot turn it off: what to do instead
             self.post_message(TurnFailed(f"{e} (F7 turns thinking back on; F4 sets a Thinking budget)"))
         except Exception as e:  # a prompt that does not fit, a template error, a bad setting
