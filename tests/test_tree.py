@@ -199,7 +199,7 @@ def test_dinkelbach_at_the_best_rate_is_the_best_ratio() -> None:
 
 
 def _auto_run(engine: Engine, cost: DeviceCost | None):
-    strategy = engine.strategy("tree", StrategyOptions(tree=TreeConfig(4, 2, AUTO)))
+    strategy = engine.strategy("tree", StrategyOptions(tree=TreeConfig(4, 2, AUTO))).inner  # under Thinking
     assert isinstance(strategy, TreeSpeculation)
     strategy.cost = cost
     prompt = engine.tokenize(TINY_PROMPTS[0])
