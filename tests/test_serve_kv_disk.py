@@ -21,7 +21,7 @@ def _complete(served, prompt: str) -> dict:
 
 def test_a_restarted_server_restores_a_returning_prompt(tiny, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECCHAT_KV_DIR", str(tmp_path / "kv"))
-    args = ["-m", str(tiny.target), "-md", str(tiny.draft), "--api-key", API_KEY, "-np", "2"]
+    args = ["-m", str(tiny.target), "-md", str(tiny.draft), "--api-key", API_KEY, "-np", "4"]
     served = start_server(args, tmp_path / "first.log")
     try:
         first = _complete(served, PROMPT)
