@@ -45,7 +45,7 @@ from backends.events import Channel, Done, Event, GenStats, Prefilled, Token
 from backends.sampling import GenParams
 from backends.steps import Steps, relay, run_solo
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # not at run time: app.prompt_format imports this, and `specchat --help` must not load llama.cpp
     from backends.llama import LlamaModel
     from backends.strategies.base import Strategy
 
@@ -220,8 +220,15 @@ def split(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
     return s.reasoning, s.content
 
 
-def merge_stats(a: GenStats, b: GenStats, forced: int) -> GenStats:
-    """The stats of an answer made of two phases with `forced` tokens between them."""
+def merge_stats(a: GenStats, b: GenStats | None, forced: int) -> GenStats:
+    """The stats of an answer made of two phases with `forced` tokens between them (`b` None: one phase, then
+    the forced tokens, if any)."""
+    by_source = dict(a.tokens_by_source)
+    if forced:
+        by_source["grammar"] = by_source.get("grammar", 0) + forced
+    if b is None:
+        return replace(a, generated_tokens=a.generated_tokens + forced, tokens_by_source=by_source)
+
     def add(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
         n = max(len(x), len(y))
         return tuple((x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n))
@@ -229,16 +236,14 @@ def merge_stats(a: GenStats, b: GenStats, forced: int) -> GenStats:
     def sums(x: dict, y: dict) -> dict:
         return {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
 
-    by_source = sums(a.tokens_by_source, b.tokens_by_source)
-    if forced:
-        by_source["grammar"] = by_source.get("grammar", 0) + forced
     return replace(a, generated_tokens=a.generated_tokens + forced + b.generated_tokens,
                    decode_seconds=a.decode_seconds + b.prompt_seconds + b.decode_seconds,
                    target_forwards=a.target_forwards + b.target_forwards, drafted=a.drafted + b.drafted,
                    accepted=a.accepted + b.accepted,
                    accepted_per_position=add(a.accepted_per_position, b.accepted_per_position),
                    drafted_per_position=add(a.drafted_per_position, b.drafted_per_position),
-                   tokens_by_source=by_source, steps_by_choice=sums(a.steps_by_choice, b.steps_by_choice),
+                   tokens_by_source=sums(by_source, b.tokens_by_source),
+                   steps_by_choice=sums(a.steps_by_choice, b.steps_by_choice),
                    extra={**a.extra, **b.extra})
 
 
@@ -253,8 +258,7 @@ class Thinking:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = lambda: False
-              ) -> Steps:
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = lambda: False) -> Steps:
         if params.reasoning is None:
             return self.inner.steps(prompt, params, should_stop)
         return self._phases(list(prompt), params, should_stop)
@@ -287,6 +291,7 @@ class Thinking:
         def carried(pieces: tuple[str, str]) -> None:
             carry[0] += pieces[0]
             carry[1] += pieces[1]
+
         waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
         prefilled = [False]
 
@@ -370,14 +375,10 @@ class Thinking:
             carry[1] += splitter.push(second.tail)[1]
         carry[1] += splitter.flush()[1]
         tail = carry[1]
-        if first is not None and second is not None:
-            stats = merge_stats(first.stats, second.stats, len(forced))
-        elif last is not None:
-            stats = merge_stats(last.stats, replace(last.stats, generated_tokens=0, decode_seconds=0.0,
-                                                    prompt_seconds=0.0, target_forwards=0, drafted=0, accepted=0,
-                                                    accepted_per_position=(), drafted_per_position=(),
-                                                    tokens_by_source={}, steps_by_choice={}, extra={}),
-                                len(forced))
+        if first is not None:
+            stats = merge_stats(first.stats, second.stats if second is not None else None, len(forced))
+        elif second is not None:  # a budget of 0 where the prompt opens the block: no thinking phase ran
+            stats = merge_stats(second.stats, None, len(forced))
         else:
             stats = GenStats(strategy=getattr(self.inner, "name", ""), prompt_tokens=len(prompt), prompt_cached=0,
                              prompt_seconds=0.0, generated_tokens=len(forced), decode_seconds=0.0,
