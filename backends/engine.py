@@ -126,7 +126,7 @@ class Engine:
         # What strategies learnt on these files (auto's acceptance by sampling mode), kept across the turns of a
         # conversation and between sessions (LEARNT_FILE).
         self.learnt = Learnt(JsonStore(cost_path.with_name(LEARNT_FILE) if cost_path is not None else None),
-                             lambda: self._cost_key)
+                             lambda: self._cost_key, {"target": self.target_lane, "draft": self.draft_lane})
         self._memory: SpeculationMemory | None = None
         self._memory_dir = memory_dir(config.memory_dir) if config.memory else None
         per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
@@ -246,6 +246,8 @@ class Engine:
         self.learnt.afresh()
 
     def close(self) -> None:
+        if getattr(self, "learnt", None) is not None:
+            self.learnt.keep_timing(force=True)  # the lanes' live curves, the realised rates: for the next process
         if getattr(self, "_memory", None) is not None:
             self._memory.flush()  # type: ignore[union-attr]
         for lane in (self.target_lane, self.draft_lane):

@@ -28,12 +28,21 @@ Sequences are not a second axis: at equal rows, more sequences read more
 cells (each row attends its own sequence's), which is what the level
 follows as contexts grow; the curve is read as ratios T(a)/T(b) of one
 moment (backends.strategies.auto.costs), in which the level cancels.
+
+What a process learnt is kept for the next one on the same files and machine
+(backends.slot.Learnt, under "live:target" and "live:draft"): each size's
+offset and decayed count (the level is theirs), with the seed they move as a
+fingerprint, since an offset means nothing against another measurement. A
+new process adopts them when its lane is seeded with the same curve
+(`earlier`), so under load it does not spend its first seconds relearning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 from backends.device_cost import BatchCost
 
@@ -44,6 +53,14 @@ RATE = 0.15
 DECAY = 0.98
 # A batch size's own offset counts as far as its decayed count of readings, against this weight of the level.
 LEVEL_WEIGHT = 1.0
+# What a process kept is taken by the next for a week at most. The offsets describe the machine as it was used
+# (other programs, its power profile, the contexts it served): a state from the last days of use, a weekend
+# between, starts closer than the seed, and learning follows a change within a few dozen decodes anyway; an
+# older one is from a way of using the machine that has likely changed (the seed itself is kept a month).
+KEPT_FOR = 7 * 24 * 3600.0
+FORMAT = 1
+# An offset beyond this (a factor of e^10) is no reading of a machine: such an entry is malformed.
+MAX_OFFSET = 10.0
 
 
 class LiveCurve:
@@ -54,6 +71,8 @@ class LiveCurve:
         self._log_seed: list[float] = []
         self.observed = 0  # readings taken (within the seed's rows)
         self._curve: BatchCost | None = None  # the last curve handed out, until the next reading
+        # What an earlier process kept of this lane (to_json), asked for whenever a new seed comes (Learnt).
+        self.earlier: Callable[[], object] | None = None
         self._reset(0)
 
     def _reset(self, n: int) -> None:
@@ -85,6 +104,8 @@ class LiveCurve:
         self._seed = seconds
         self._log_seed = [math.log(s) for s in seconds]
         self._reset(len(seconds))
+        if self.earlier is not None:
+            self.restore(self.earlier())
 
     def _own(self, i: int) -> tuple[float, float]:
         """Batch size i+1's offset and its decayed count of readings now."""
@@ -128,3 +149,39 @@ class LiveCurve:
                 out[i] = max(out[i], out[i - 1])
             self._curve = BatchCost(tuple(out))
         return self._curve
+
+    # -- kept between processes (backends.slot.Learnt) ---------------------------------------------------------------
+
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(repr(self._seed).encode()).hexdigest()[:16]
+
+    def to_json(self, now: float | None = None) -> dict | None:
+        """What was learnt, for a later process: each batch size's offset and its decayed count of readings
+        now (the level is theirs), against the seed's fingerprint; None unseeded. A few hundred bytes."""
+        if not self._seed:
+            return None
+        own = [self._own(i) for i in range(len(self._seed))]
+        return {"format": FORMAT, "saved_at": time.time() if now is None else now, "seed": self._fingerprint(),
+                "offset": [round(o, 4) for o, _ in own], "weight": [round(w, 3) for _, w in own]}
+
+    def restore(self, data: object, now: float | None = None) -> bool:
+        """Take up what `to_json` kept of this same seed, as if its readings had been taken here; False, with
+        nothing changed, for another seed or format, an entry older than KEPT_FOR, or anything malformed."""
+        if not self._seed or not isinstance(data, dict) or data.get("format") != FORMAT \
+                or data.get("seed") != self._fingerprint():
+            return False
+        n = len(self._seed)
+        try:
+            age = (time.time() if now is None else now) - float(data["saved_at"])
+            offset = [float(x) for x in data["offset"]]
+            weight = [float(x) for x in data["weight"]]
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not abs(age) <= KEPT_FOR or len(offset) != n or len(weight) != n \
+                or not all(abs(o) <= MAX_OFFSET for o in offset) or not all(0 <= w <= 1 / (1 - DECAY) for w in weight):
+            return False  # (NaNs fail every comparison, so they land here too)
+        self._reset(n)
+        self._offset, self._weight = offset, weight
+        self._sum_w = sum(weight)
+        self._sum_wo = sum(w * o for w, o in zip(weight, offset))
+        return True

@@ -25,10 +25,17 @@ that once speculation is held back, a probe tick every STALE ticks (where
 sequences decide as they would) soon lets it run again if the machine
 changed: speculation resumes within a few probes after a busy spell ends.
 Ticks that decode a prompt chunk are not counted: they are neither.
+
+The rates are kept for the next process on the same files and machine
+(backends.slot.Learnt, under "realised"; `to_json`, `from_json`), tick
+count and all, so that a new server does not speculate at a batch size where
+the last one found it does not pay while it gathers that evidence again.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 # Speculation is held back where its ticks deliver less than (1 - MARGIN) x the plain ticks' rate.
@@ -44,6 +51,10 @@ STALE = 64
 STALE_WEIGHT = 0.25
 # Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
 PLAIN_EVERY = 32
+# What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
+# the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
+KEPT_FOR = 7 * 24 * 3600.0
+FORMAT = 1
 
 
 @dataclass
@@ -63,6 +74,19 @@ class _Rate:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> list[float]:
+        return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick]
+
+    @classmethod
+    def from_json(cls, v: object, tick: int) -> "_Rate":
+        """What `to_json` wrote; ValueError for anything else (a last tick after `tick` included)."""
+        if not isinstance(v, list) or len(v) != 4 or type(v[3]) is not int or v[3] > tick:
+            raise ValueError("not a rate")
+        tokens, seconds, count = (float(x) for x in v[:3])
+        if not all(0 <= x < math.inf for x in (tokens, seconds, count)) or count > 1 / (1 - DECAY):
+            raise ValueError("not a rate")
+        return cls(tokens, seconds, count, v[3])
 
 
 @dataclass
@@ -103,3 +127,35 @@ class Realised:
             return True
         spec = self.speculated[sequences]
         return self.tick - spec.last_tick > STALE and self.tick % STALE == STALE // 2
+
+    # -- kept between processes (backends.slot.Learnt) ---------------------------------------------------------------
+
+    def to_json(self, now: float | None = None) -> dict:
+        """The rates and the tick count, for a later process: a few hundred bytes."""
+        return {"format": FORMAT, "saved_at": time.time() if now is None else now, "tick": self.tick,
+                **{kind: {str(b): r.to_json() for b, r in sorted(getattr(self, kind).items())}
+                   for kind in ("plain", "speculated")}}
+
+    @classmethod
+    def from_json(cls, data: object, now: float | None = None) -> "Realised":
+        """What `to_json` kept; a new one for None, another format, an entry older than KEPT_FOR, or anything
+        malformed."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return cls()
+        try:
+            age = (time.time() if now is None else now) - float(data["saved_at"])
+            tick = data["tick"]
+            if not abs(age) <= KEPT_FOR or type(tick) is not int or tick < 0:
+                return cls()
+            out = cls(tick=tick)
+            for kind in ("plain", "speculated"):
+                rates = data[kind]
+                if not isinstance(rates, dict):
+                    return cls()
+                for b, v in rates.items():
+                    if int(b) < 1:
+                        return cls()
+                    getattr(out, kind)[int(b)] = _Rate.from_json(v, tick)
+        except (KeyError, TypeError, ValueError):
+            return cls()
+        return out

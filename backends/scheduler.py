@@ -23,18 +23,24 @@ thrown into every sequence that had rows in it (their strategies end with
 prices its rows against it, since under load a row it adds delays every
 sequence in the batch. Each tick is timed and its committed tokens counted,
 as a speculating or a plain tick of its batch size (backends.realised): what
-speculation delivers here, which bounds `auto`.
+speculation delivers here, which bounds `auto`. Given the engine's `Learnt`,
+those rates start from what an earlier process kept on the same files, and
+are kept for the next (backends.slot.Learnt.realised_for).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from backends.errors import DecodeError
 from backends.events import REJECTED, Event, Token
 from backends.kv import Lane
 from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
+
+if TYPE_CHECKING:
+    from backends.slot import Learnt
+
 
 class _Active:
     """One sequence in the scheduler: its machine, where its events go, and what it waits for."""
@@ -53,11 +59,13 @@ class _Active:
 class Scheduler:
     """Many step machines, their rows packed into one decode per lane per tick."""
 
-    def __init__(self, target_lane: Lane | None = None) -> None:
+    def __init__(self, target_lane: Lane | None = None, learnt: "Learnt | None" = None) -> None:
         self.target_lane = target_lane  # whose batches `load` describes
         self._active: list[_Active] = []
         self._turn = 0  # who goes first in the next tick's batches (rotates: no sequence always waits)
         self.load = BatchLoad()
+        if learnt is not None:  # the realised rates an earlier process kept, and kept from now on
+            learnt.realised_for(self.load)
         self.ticks = 0
         self._tokens = 0  # tokens committed in this tick
         self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk

@@ -40,7 +40,7 @@ class SlotPool:
         """`kv_disk`: the bound in bytes of the KV store on disk the prompt cache spills to (0: none; the
         server's --kv-cache-disk); a benchmark keeps it off, so that no run starts from another's cells."""
         self.engine = engine
-        self.scheduler = Scheduler(engine.target_lane)
+        self.scheduler = Scheduler(engine.target_lane, engine.learnt)
         self.free = list(range(len(engine.slots)))
         folder = kv_dir() if kv_disk else None  # what leaves RAM, and the slots' cells when the server stops
         self.prompt_cache = PromptCache(cache_mib << 20, KvDiskStore(folder, engine.kv_key(), kv_disk)

@@ -1,17 +1,28 @@
 """A lane's cost curve kept current from every decode (backends.live_cost, Lane.live), and `auto` priced with it
 alone and under load (backends.strategies.auto.costs): the rule on synthetic readings, the readings of real
-llama.cpp decodes, and decisions that follow a machine that changed since its cost was measured."""
+llama.cpp decodes, decisions that follow a machine that changed since its cost was measured, and what one
+process learnt taken up by the next (backends.slot.Learnt)."""
 
 from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from backends.config import AutoConfig, StrategyOptions
-from backends.device_cost import BatchCost, DeviceCost
-from backends.live_cost import CLIP, RATE, LiveCurve
+from backends.device_cost import BatchCost, CostCache, DeviceCost
+from backends.engine import Engine, EngineConfig
+from backends.live_cost import CLIP, KEPT_FOR, RATE, LiveCurve
+from backends.sampling import GenParams
+from backends.slot import Learnt
 from backends.steps import BatchLoad
+from backends.store import JsonStore
 from backends.strategies.auto.decide import best_chain_length
-from auto_helpers import flat, prefilled, synthetic_engine
+from auto_helpers import TINY_PROMPTS, flat, prefilled, synthetic_engine
+from engine_helpers import run_to_done
 
 LINEAR = tuple(0.01 * (1 + 0.1 * (k - 1)) for k in range(1, 17))  # T(k) = T(1) (1 + 0.1 (k - 1))
 
@@ -183,3 +194,121 @@ def test_a_draft_that_became_as_dear_as_the_target_is_dropped_on_the_live_ratio(
         assert prefilled(engine).draft is None
     finally:
         engine.close()
+
+
+# -- kept between processes -------------------------------------------------------------------------------------------
+
+def _learnt_curve() -> LiveCurve:
+    """Sizes 1 and 8 read dearer than measured, each its own way; the others follow the level."""
+    live = _seeded()
+    for _ in range(40):
+        live.observe(1, 1.3 * LINEAR[0])
+        live.observe(8, 2.0 * LINEAR[7])
+    return live
+
+
+def test_a_curve_round_trips_through_json_and_learning_goes_on_from_there() -> None:
+    live = _learnt_curve()
+    entry = json.loads(json.dumps(live.to_json()))
+    assert len(json.dumps(entry)) < 400, "a few hundred bytes"
+    again = _seeded()
+    assert again.restore(entry) and again.observed == 0
+    assert again.curve().seconds == pytest.approx(live.curve().seconds, rel=1e-3)
+    assert again.level == pytest.approx(live.level, abs=1e-3)
+    for curve in (live, again):  # the same readings move both alike: the weights came along too
+        for _ in range(5):
+            curve.observe(3, 3 * LINEAR[2])
+    assert again.curve().seconds == pytest.approx(live.curve().seconds, rel=1e-3)
+
+
+def test_a_stale_malformed_or_other_seeds_entry_is_ignored() -> None:
+    entry = _learnt_curve().to_json()
+    assert entry is not None and LiveCurve().to_json() is None
+    now = entry["saved_at"]
+    bad = [
+        None, [], {}, "x", {**entry, "format": 0}, {**entry, "seed": "0" * 16},
+        {**entry, "offset": entry["offset"][1:]},
+        {**entry, "weight": [-1.0] * len(LINEAR)}, {**entry, "offset": ["a"] * len(LINEAR)},
+        {**entry, "offset": [float("nan")] * len(LINEAR)}, {**entry, "saved_at": "yesterday"},
+        {k: v for k, v in entry.items() if k != "weight"},
+    ]
+    for data in bad:
+        live = _seeded()
+        assert not live.restore(data, now), data
+        assert live.curve().seconds == pytest.approx(LINEAR) and live.level == 0.0
+    assert not _seeded().restore(entry, now + KEPT_FOR + 1), "older than a week"
+    assert _seeded().restore(entry, now + KEPT_FOR - 1)
+    other = LiveCurve()
+    other.seed(tuple(2 * s for s in LINEAR))
+    assert not other.restore(entry), "an offset means nothing against another measurement"
+
+
+def test_learnt_keeps_each_lanes_curve_and_a_new_one_takes_it_up_when_seeded(tmp_path: Path) -> None:
+    """Through the store (learnt.json): written only once something was observed, at most once a minute at a
+    generation's end and always when the engine closes; taken up on the first seed with the same curve; read
+    by none after `afresh`."""
+    store = JsonStore(tmp_path / "learnt.json")
+    lanes = {"target": SimpleNamespace(live=LiveCurve()), "draft": None}
+    learnt = Learnt(store, lambda: "k", lanes)  # type: ignore[arg-type]
+    learnt.keep_timing(force=True)
+    assert not store.path.exists(), "nothing learnt: nothing written"
+    live = lanes["target"].live
+    live.seed(LINEAR)
+    for _ in range(40):
+        live.observe(2, 2 * LINEAR[1])
+    learnt.keep("auto.greedy", {"saved_at": time.time()})  # a generation's end
+    assert set(json.loads(store.path.read_text())) == {"auto.greedy:k", "live:target:k"}
+    live.observe(2, 2 * LINEAR[1])
+    learnt.keep("auto.greedy", {"saved_at": time.time()})
+    assert learnt.kept("live:target")["offset"] != live.to_json()["offset"], "not again within the minute"
+    learnt.keep_timing(force=True)  # the engine closes
+    assert learnt.kept("live:target")["offset"] == live.to_json()["offset"]
+
+    def new_lane(afresh: bool = False) -> LiveCurve:
+        lane = SimpleNamespace(live=LiveCurve())
+        later = Learnt(store, lambda: "k", {"target": lane})  # type: ignore[dict-item]
+        if afresh:
+            later.afresh()
+        lane.live.seed(LINEAR)
+        return lane.live
+
+    assert new_lane().curve().seconds == pytest.approx(live.curve().seconds, rel=1e-3)
+    assert new_lane(afresh=True).curve().seconds == pytest.approx(LINEAR), "a bench reads nothing"
+    store.put("live:target:k", {"saved_at": time.time(), "format": 1, "seed": live.to_json()["seed"], "offset": 3})
+    assert new_lane().curve().seconds == pytest.approx(LINEAR), "malformed: from the seed"
+
+
+def test_a_second_engine_on_the_same_files_starts_from_the_first_ones_curve(tiny, tmp_path: Path) -> None:
+    """Real llama.cpp: an engine's auto runs decode on lanes seeded with a curve a thousand times too slow,
+    which its decodes pull down; the engine closes. The next engine on the same files (and device cost) starts
+    its lanes from where the first left them, before any decode of its own; after `afresh`, from the seed."""
+    config = EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1, n_seq_max=8,
+                          cost_cache=tmp_path / "device-cost.json")
+    slow = DeviceCost(BatchCost(tuple(1000 * s for s in LINEAR)), 0.5, measured_at=time.time())
+    params = GenParams(max_tokens=24, temperature=0.0)
+    first = Engine(config)
+    try:
+        CostCache(config.cost_cache).put(first._cost_key, slow)
+        for text in TINY_PROMPTS[:2]:
+            run_to_done(first, "auto", first.tokenize(text), params)
+        live = first.target.lane.live
+        assert live.observed > 0 and live.curve().seconds[0] < 0.5 * slow.batch.seconds[0]
+        learnt = live.curve().seconds
+    finally:
+        first.close()
+    assert first.learnt.kept("live:target") is not None
+
+    def started(afresh: bool) -> tuple[float, ...]:
+        engine = Engine(config)
+        try:
+            if afresh:
+                engine.learn_afresh()
+            prefilled(engine)  # auto seeds the lanes from the device cost; the prompt is no reading
+            live = engine.target.lane.live
+            assert live.observed == 0
+            return live.curve().seconds
+        finally:
+            engine.close()
+
+    assert started(afresh=False) == pytest.approx(learnt, rel=1e-3)
+    assert started(afresh=True) == pytest.approx(slow.batch.seconds)

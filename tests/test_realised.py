@@ -1,18 +1,24 @@
 """The check on what speculation delivers (backends.realised): its rule on synthetic ticks (pure logic), the
-scheduler's record of real ticks on real llama.cpp, and `auto` held to plain decoding where the record says
-speculation does not pay."""
+scheduler's record of real ticks on real llama.cpp, `auto` held to plain decoding where the record says
+speculation does not pay, and the record kept for the next process (backends.slot.Learnt)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
 from backends.events import Event, StepEnd
-from backends.realised import MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
+from backends.realised import KEPT_FOR, MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
 from backends.sampling import GenParams
+from backends.scheduler import Scheduler
+from backends.slot import Learnt
 from backends.slot_pool import SlotPool
+from backends.store import JsonStore
 from backends.strategies.auto.state import AutoState
 from test_lossless import _copying_prompt
 
@@ -130,5 +136,85 @@ def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> No
         held, held_tokens = choices(losing)
         assert held == {"plain"}, held
         assert held_tokens == tokens
+    finally:
+        engine.close()
+
+
+# -- kept between processes -------------------------------------------------------------------------------------------
+
+def _losing_at_2() -> Realised:
+    r = Realised()
+    _ticks(r, 20, 2, False, 2, 0.02)
+    _ticks(r, 20, 2, True, 3, 0.04)
+    _ticks(r, 20, 1, True, 3, 0.02)
+    return r
+
+
+def test_the_record_round_trips_through_json() -> None:
+    r = _losing_at_2()
+    entry = json.loads(json.dumps(r.to_json()))
+    assert len(json.dumps(entry)) < 400, "a few hundred bytes"
+    again = Realised.from_json(entry)
+    assert again.tick == r.tick and set(again.plain) == {2} and set(again.speculated) == {1, 2}
+    for b in (1, 2):
+        assert again.pays(b) == r.pays(b) and again.allows(b) == r.allows(b)
+    assert again.speculated[2].rate == pytest.approx(r.speculated[2].rate, rel=1e-5)
+    assert again.speculated[2].count == pytest.approx(r.speculated[2].count, abs=1e-3)
+    for x in (r, again):  # and it goes on from there alike
+        _ticks(x, STALE, 2, False, 2, 0.02)
+    assert [again.allows(2) for _ in range(3)] == [r.allows(2) for _ in range(3)]
+
+
+def test_a_stale_or_malformed_record_is_ignored() -> None:
+    entry = _losing_at_2().to_json()
+    now = entry["saved_at"]
+    bad = [
+        None, [], {}, {**entry, "format": 2}, {**entry, "tick": -1}, {**entry, "tick": 1.5}, {**entry, "plain": []},
+        {**entry, "plain": {"0": [1, 1, 1, 0]}}, {**entry, "plain": {"x": [1, 1, 1, 0]}},
+        {**entry, "plain": {"2": [1, 1, 1]}}, {**entry, "plain": {"2": [1, -1, 1, 0]}},
+        {**entry, "plain": {"2": [1, float("nan"), 1, 0]}}, {**entry, "plain": {"2": [1, 1, 1, entry["tick"] + 1]}},
+        {**entry, "plain": {"2": [1, 1, 1e9, 0]}}, {k: v for k, v in entry.items() if k != "speculated"},
+        {**entry, "saved_at": None},
+    ]
+    for data in bad:
+        r = Realised.from_json(data, now)
+        assert r.tick == 0 and not r.plain and not r.speculated, data
+    assert not Realised.from_json(entry, now + KEPT_FOR + 1).plain, "older than a week"
+    assert Realised.from_json(entry, now + KEPT_FOR - 1).plain
+
+
+def test_a_new_scheduler_starts_from_the_record_kept_and_a_bench_from_nothing(tmp_path: Path) -> None:
+    store = JsonStore(tmp_path / "learnt.json")
+    learnt = Learnt(store, lambda: "k")
+    scheduler = Scheduler(None, learnt)
+    assert scheduler.load.realised.tick == 0
+    learnt.keep_timing(force=True)
+    assert not store.path.exists(), "nothing learnt: nothing written"
+    scheduler.load.realised = _losing_at_2()  # (what its ticks would have recorded)
+    learnt.keep_timing(force=True)
+    assert Scheduler(None, Learnt(store, lambda: "k")).load.realised.pays(2) is False
+    bench = Learnt(store, lambda: "k")
+    bench.afresh()
+    assert not Scheduler(None, bench).load.realised.plain
+    assert not Scheduler(None, Learnt(store, lambda: "other device")).load.realised.plain
+
+
+def test_a_restarted_pool_takes_up_what_the_last_one_recorded(tiny, tmp_path: Path) -> None:
+    """Real llama.cpp: two sequences decode plainly; the engine closes. The next engine on the same files starts
+    its pool's record from that one's."""
+    config = EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, n_parallel=2,
+                          cost_cache=tmp_path / "device-cost.json")
+    engine = Engine(config)
+    try:
+        prompts = [engine.tokenize("the cat sat on the mat"), engine.tokenize("once upon a time there was")]
+        pool, _ = _pool_run(engine, [("ar", p) for p in prompts], GenParams(max_tokens=16, temperature=0.0))
+        recorded = pool.scheduler.load.realised
+    finally:
+        engine.close()
+    engine = Engine(config)
+    try:
+        again = SlotPool(engine).scheduler.load.realised
+        assert again.tick == recorded.tick and set(again.plain) == set(recorded.plain)
+        assert again.plain[2].rate == pytest.approx(recorded.plain[2].rate, rel=1e-5)
     finally:
         engine.close()
