@@ -1,0 +1,210 @@
+"""A tiny llama target and an EAGLE-3 draft GGUF for it, written with `gguf.GGUFWriter`.
+
+llama.cpp 0.3.36 reads an EAGLE-3 draft as architecture `eagle3`
+(src/models/eagle3.cpp): one decoder layer whose attention takes the
+concatenation [rms(token embedding) ; rms(g)], where g = fc(three target
+hidden states concatenated). The GGUF names the target layers in
+`eagle3.target_layers` (exactly three ids; llama.cpp extracts the *input* of
+each of those target layers) and their width in `eagle3.target_hidden_size`.
+An optional I64 tensor `d2t` (absolute target token ids, one per row of the
+draft's `output.weight`) gives a reduced draft vocabulary. Without its own
+`token_embd.weight` the draft borrows the target's through the draft
+context's `ctx_other` (as the Llama 3.1 8B EAGLE-3 drafts do); see
+docs/eagle3-protocol.md for how the pair runs.
+
+Random weights would agree with the target by chance only, so, as in
+tests/drafter_factory.py, the weights make agreement tunable:
+  - The target's attention and FFN outputs are scaled by `residual`: at 0
+    its next token is a function of the current token alone,
+    f(t) = argmax output · rms(embedding(t)).
+  - The draft's attention is a sharp self-lookup: Q = K = `sharpness` · the
+    token half of its input, V = that half, O = identity, so the residual
+    stream gets rms(embedding(t_{P+1})) for its input pair (t_{P+1}, g_P).
+    Its lm_head is the target's output rows for the draft vocabulary, so it
+    predicts f(t_{P+1}) restricted to that vocabulary. `head_noise` scales
+    g's share of the residual stream and the draft's FFN: 0 copies a
+    residual-free target.
+  - g is the target features on the first draft step but the draft's own
+    pre-norm hidden state on the next ones (llama.cpp feeds it back), so a
+    residual stream that adds g itself (mainline EAGLE-3,
+    `norm_before_residual` False) piles the earlier tokens up and only the
+    first draft token can be exact; with `norm_before_residual` True
+    (the RedHat speculators' variant, the default here) the stream adds
+    rms(g) · hidden_norm, bounded by `head_noise`, and every draft token can
+    (hidden_norm has random signs, so the fed-back state of the previous
+    token is noise, not a vote for that token's successor).
+  - The reduced vocabulary holds the most frequent values of f first (as
+    real EAGLE-3 drafts keep the most frequent tokens), then the lowest ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+try:  # imported as eagle3_factory (tests/ on sys.path, as conftest.py puts it) or as tests.eagle3_factory
+    from gguf_factory import Vocab, spm_vocab
+except ImportError:  # pragma: no cover
+    from tests.gguf_factory import Vocab, spm_vocab  # type: ignore[no-redef]
+
+EAGLE3_ARCH = "eagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3Pair:
+    n_embd: int = 64          # target and draft hidden size (the draft borrows the target's token_embd)
+    n_layer: int = 4          # target layers
+    target_layers: tuple[int, int, int] = (1, 2, 3)  # inputs of these target layers feed the draft
+    n_head: int = 4
+    n_ff: int = 128
+    n_ctx: int = 1024
+    draft_vocab: int | None = 128  # rows of the draft's lm_head (+ d2t); None: the full vocabulary, no d2t
+    own_tok_embd: bool = False    # True: the draft carries token_embd.weight and needs no ctx_other for it
+    residual: float = 0.2
+    head_noise: float = 0.3
+    norm_before_residual: bool = True  # the RedHat-style variant; False: mainline EAGLE-3 (see the module doc)
+    sharpness: float = 4.0
+    logit_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError("n_embd must be a multiple of n_head")
+        if len(self.target_layers) != 3:
+            raise ValueError("EAGLE-3 needs exactly 3 target layers")
+        if not all(0 <= i < self.n_layer for i in self.target_layers):
+            raise ValueError("target layer ids must be in [0, n_layer)")
+        if self.residual < 0 or self.head_noise < 0:
+            raise ValueError("residual and head_noise must be >= 0")
+
+
+def _rms(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_scores(list(vocab.scores))
+    w.add_token_types(list(vocab.types))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
+def _add_shape(w: gguf.GGUFWriter, m: Eagle3Pair, n_layer: int) -> None:
+    w.add_context_length(m.n_ctx)
+    w.add_embedding_length(m.n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(m.n_ff)
+    w.add_head_count(m.n_head)
+    w.add_head_count_kv(m.n_head)
+    w.add_rope_dimension_count(m.n_embd // m.n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def _draft_ids(m: Eagle3Pair, embd: np.ndarray, out: np.ndarray) -> np.ndarray | None:
+    """Target ids of the draft vocabulary, ascending: the most frequent f(t) first, then the lowest ids."""
+    n_vocab = embd.shape[0]
+    if m.draft_vocab is None:
+        return None
+    if not 0 < m.draft_vocab <= n_vocab:
+        raise ValueError(f"draft_vocab must be in [1, {n_vocab}]")
+    f = np.argmax(_rms(embd) @ out.T, axis=1)
+    ids, counts = np.unique(f, return_counts=True)
+    chosen = [int(i) for i in ids[np.argsort(-counts, kind="stable")]][: m.draft_vocab]
+    rest = (i for i in range(n_vocab) if i not in set(chosen))
+    while len(chosen) < m.draft_vocab:
+        chosen.append(next(rest))
+    return np.array(sorted(chosen), dtype=np.int64)
+
+
+def write_eagle3_pair(
+    target_path: str | Path,
+    draft_path: str | Path,
+    seed: int = 0,
+    model: Eagle3Pair = Eagle3Pair(),
+    vocab: Vocab | None = None,
+) -> None:
+    """Write a llama target GGUF and an `eagle3` draft GGUF for it (same tokenizer)."""
+    m = model
+    vocab = vocab or spm_vocab()
+    rng = np.random.default_rng(seed)
+    n_vocab, d, f = len(vocab.tokens), m.n_embd, m.n_ff
+
+    def rand(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return rng.normal(0.0, std, size=shape).astype(np.float32)
+
+    ones = np.ones(d, dtype=np.float32)
+
+    # --- target: llama, the layers' outputs scaled by `residual`
+    embd = rand((n_vocab, d), 1.0)
+    out = rand((n_vocab, d), m.logit_scale)
+    w = gguf.GGUFWriter(str(target_path), "llama")
+    w.add_name("tiny-eagle3-target")
+    _add_shape(w, m, m.n_layer)
+    _add_vocab(w, vocab)
+    w.add_tensor("token_embd.weight", embd)
+    s = 1.0 / np.sqrt(d)
+    for i in range(m.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(f"blk.{i}.{name}.weight", rand((d, d), s))
+        w.add_tensor(f"blk.{i}.attn_output.weight", rand((d, d), s * m.residual))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand((f, d), s))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand((f, d), s))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand((d, f), m.residual / np.sqrt(f)))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", out)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    # --- draft: eagle3, one layer (ggml shapes in comments: ne0 = input width)
+    d2t = _draft_ids(m, embd, out)
+    eye = np.eye(d, dtype=np.float32)
+    zero = np.zeros((d, d), dtype=np.float32)
+    w = gguf.GGUFWriter(str(draft_path), EAGLE3_ARCH)
+    w.add_name("tiny-eagle3-draft")
+    _add_shape(w, m, 1)
+    w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(i) for i in m.target_layers])  # INT32 array
+    w.add_uint32(f"{EAGLE3_ARCH}.target_hidden_size", d)
+    w.add_bool(f"{EAGLE3_ARCH}.norm_before_residual", m.norm_before_residual)
+    _add_vocab(w, vocab)  # the target's tokenizer, as convert_hf_to_gguf.py writes it for a draft
+    if m.own_tok_embd:
+        w.add_tensor("token_embd.weight", embd)                                   # {d, n_vocab}
+    # g's weight in the residual stream: through hidden_norm's weight when the residual takes rms(g),
+    # through fc when it takes g itself
+    g_scale = 1.0 if m.norm_before_residual else m.head_noise
+    # random signs: the draft's own hidden state, fed back as g, then adds noise, not its last token's logits
+    signs = rng.choice(np.array([-1.0, 1.0], dtype=np.float32), size=d)
+    hidden_norm = m.head_noise * signs if m.norm_before_residual else ones
+    w.add_tensor("fc.weight", rand((d, 3 * d), g_scale / np.sqrt(3 * d)))         # {3d, d}
+    w.add_tensor("blk.0.attn_norm.weight", ones)                                  # on the token embedding
+    w.add_tensor("blk.0.attn_norm_2.weight", hidden_norm)                         # hidden_norm, on g
+    qk = np.concatenate([m.sharpness * eye, zero], axis=1)                        # {2d, d}: token half only
+    w.add_tensor("blk.0.attn_q.weight", qk)
+    w.add_tensor("blk.0.attn_k.weight", qk)
+    w.add_tensor("blk.0.attn_v.weight", np.concatenate([eye, zero], axis=1))
+    w.add_tensor("blk.0.attn_output.weight", eye)
+    w.add_tensor("blk.0.ffn_norm.weight", ones)
+    w.add_tensor("blk.0.ffn_gate.weight", rand((f, d), s))
+    w.add_tensor("blk.0.ffn_up.weight", rand((f, d), s))
+    w.add_tensor("blk.0.ffn_down.weight", rand((d, f), m.head_noise / np.sqrt(f)))
+    w.add_tensor("output_norm.weight", ones)
+    if d2t is None:
+        w.add_tensor("output.weight", out)                                        # {d, n_vocab}
+    else:
+        w.add_tensor("output.weight", out[d2t])                                   # {d, n_draft_vocab}
+        w.add_tensor("d2t", d2t)                                                  # I64 {n_draft_vocab}
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

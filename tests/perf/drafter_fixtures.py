@@ -1,0 +1,56 @@
+"""Write the tiny drafter fixtures to a folder, to run them in llama.cpp's reference tools by hand.
+
+    python tests/perf/drafter_fixtures.py DIR
+
+writes DIR/mtp-target.gguf (a glm4moe target with its own MTP head,
+tests/drafter_factory.py: `llama-server -m DIR/mtp-target.gguf --spec-type draft-mtp`)
+and DIR/eagle3-target.gguf + DIR/eagle3-draft.gguf (a llama target and an
+EAGLE-3 draft for it, tests/eagle3_factory.py: `llama-server -m
+DIR/eagle3-target.gguf -md DIR/eagle3-draft.gguf --spec-type draft-eagle3`).
+docs/eagle3-protocol.md has the commands and what they print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the factories import each other as the tests do (conftest.py)
+
+from eagle3_factory import write_eagle3_pair  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="folder to write the GGUF files to (made if missing)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the EAGLE-3 pair's random weights")
+    args = ap.parse_args(argv)
+    out: Path = args.dir
+    out.mkdir(parents=True, exist_ok=True)
+
+    written: list[Path] = []
+    target, draft = out / "eagle3-target.gguf", out / "eagle3-draft.gguf"
+    write_eagle3_pair(target, draft, seed=args.seed)
+    written += [target, draft]
+
+    try:  # the MTP fixture's module is written separately; the EAGLE-3 pair does not need it
+        from tests.drafter_factory import write_mtp_target
+    except ModuleNotFoundError as e:
+        if e.name not in ("tests.drafter_factory", "drafter_factory"):
+            raise
+        print(f"skipped mtp-target.gguf: {e}", file=sys.stderr)
+    else:
+        mtp = out / "mtp-target.gguf"
+        write_mtp_target(mtp)
+        written.append(mtp)
+
+    for p in written:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
