@@ -63,6 +63,9 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default: 0.05)")
     g.add_argument("--seed", type=_seed, default=None, help="random seed for sampling; -1 = random (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument_group("drafters").add_argument(
+        "--no-mtp", dest="mtp", action="store_false", default=None,
+        help="do not draft with the target's own MTP head (a file that has one drafts with it when no -md is given)")
     s_mem = p.add_argument_group("speculation memory")
     s_mem.add_argument("--no-memory", "--no-suffix-cache", dest="memory", action="store_false", default=None,
                        help="neither consult nor update the speculation memory of earlier outputs")
@@ -158,7 +161,8 @@ def _typed_text(knob: Knob) -> Callable[[str], object]:
 
 
 MODEL_HELP = "target model: a .gguf path, 'smollm2' or 'demo' (the bundled pairs), an alias, or hf:OWNER/REPO[:QUANT]"
-DRAFT_HELP = "draft model, same forms: e.g. 'smollm2-draft' or 'demo-draft' (needed by sps and tree; used by auto)"
+DRAFT_HELP = ("draft model, same forms: e.g. 'smollm2-draft' or 'demo-draft' (needed by sps and tree; used by auto); "
+              "a target with its own MTP head drafts with it when none is given")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,13 +301,15 @@ def generate(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args.prompt)
     settings = settings_from_args(args)
     params, options = settings.params, settings.options
-    require_draft(args.strategy, settings.draft is not None)
+    if not settings.mtp:  # without the target's own head, whether there is a drafter is known before loading
+        require_draft(args.strategy, settings.draft is not None)
     raw = getattr(args, "raw", False) or args.command == "demo"
     if raw and settings.system_prompt:
         raise UserError("--system needs the chat template; it cannot go with --no-conversation")
     engine = open_engine(settings, n_seq_needed(args.strategy, options), print_progress,
                          with_draft=REGISTRY[args.strategy].uses_draft)
     try:
+        require_draft(args.strategy, engine.draft is not None)
         strategy = engine.strategy(args.strategy, options)
         grammar = grammar_from_flags(args, engine.target_model)
         if grammar is not None:

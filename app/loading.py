@@ -43,6 +43,6 @@ def open_engine(settings: Settings, n_seq_max: int, progress: Callable[[str], No
     return Engine(EngineConfig(
         target=target, draft=draft, n_ctx=settings.n_ctx, n_batch=settings.n_batch, threads=settings.threads,
         n_gpu_layers=settings.n_gpu_layers, n_gpu_layers_draft=settings.n_gpu_layers_draft, rpc=settings.rpc,
-        n_seq_max=n_seq_max, n_parallel=n_parallel,
+        n_seq_max=n_seq_max, n_parallel=n_parallel, mtp=settings.mtp and with_draft,
         memory=settings.memory, memory_size=settings.memory_size,
     ))

@@ -2,7 +2,8 @@
 view (as in the figure of Leviathan et al. 2023: accepted drafts green,
 rejected drafts red and struck through, the target's correction blue, the
 target's own tokens in the default colour; accepted tokens from prompt lookup
-cyan and from lookahead's n-gram pool yellow, so `auto`'s mix shows), JSON
+cyan, from lookahead's n-gram pool yellow and from the model's own MTP head
+magenta, so `auto`'s mix shows), JSON
 event lines, and stats.
 """
 
@@ -26,17 +27,20 @@ class Palette:
     correction: str
     lookup: str  # accepted, proposed by prompt lookup
     lookahead: str  # accepted, proposed by lookahead's n-gram pool
+    mtp: str  # accepted, proposed by the target's own MTP head
 
     def accepted_from(self, source: str) -> str:
-        return {"lookup": self.lookup, "lookahead": self.lookahead}.get(source, self.accepted)
+        return {"lookup": self.lookup, "lookahead": self.lookahead, "mtp": self.mtp}.get(source, self.accepted)
 
 
 # The terminal's own colours for the CLI; fixed colours in the chat app, whose theme
 # would otherwise turn ANSI red and blue into pink and purple.
-ANSI = Palette(accepted="green", rejected="red strike", correction="blue", lookup="cyan", lookahead="yellow")
+ANSI = Palette(accepted="green", rejected="red strike", correction="blue", lookup="cyan", lookahead="yellow",
+               mtp="magenta")
 TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff", lookup="#39c5cf",
-                    lookahead="#d29922")
-LEGEND = ("speculation view: accepted from the draft = green, from prompt lookup = cyan, from lookahead = yellow; "
+                    lookahead="#d29922", mtp="#bc8cff")
+LEGEND = ("speculation view: accepted from the draft = green, from the model's MTP head = magenta, from prompt "
+          "lookup = cyan, from lookahead = yellow; "
           "rejected = red struck through; target's correction = blue; target's own token = default")
 
 

@@ -55,6 +55,7 @@ class Settings:
     n_gpu_layers_draft: int = 0
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target (HOST:PORT each)
     memory: bool = True  # the speculation memory (backends.memory): consulted and updated
+    mtp: bool = True  # a target's own MTP head drafts when no draft model is given (backends.mtp)
     memory_size: int = MEMORY_TOKENS  # its bound, in tokens
     # A thinking model thinks before it answers (its template's enable_thinking); its budget is
     # params.reasoning_budget (backends.reasoning).
@@ -126,6 +127,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "reasoning_budget": ("params.reasoning_budget",),
     "kv_cache_disk": ("kv_disk",),
     "memory": ("memory",),
+    "mtp": ("mtp",),
     "memory_size": ("memory_size",),
     "ctx_size": ("n_ctx",),
     "batch_size": ("n_batch",),

@@ -29,12 +29,14 @@ from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.memory import SpeculationMemory
 from backends.memory_file import memory_file, memory_dir
+from backends.mtp import MtpSequence, mtp_lanes
 from backends.reasoning import Thinking
 from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
+from models.drafters import mtp_heads
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
 from models.paths import data_dir
@@ -66,6 +68,8 @@ class EngineConfig:
     # Its folder (one file per vocabulary); None: $SPECCHAT_MEMORY_DIR, else the data dir's. Its bound, in tokens.
     memory_dir: Path | None = None
     memory_size: int = MEMORY_TOKENS
+    # Draft with the target's own MTP head (backends.mtp) when the file carries one and no draft is given.
+    mtp: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.memory, bool):  # the folder was once given here: say where it goes now
@@ -106,14 +110,25 @@ class Engine:
         self.draft_model: LlamaModel | None = None
         self.target_lane: Lane = None  # type: ignore[assignment]
         self.draft_lane: Lane | None = None
+        # The target's own MTP head drafts when the file has one, its graph runs in llama.cpp and no draft is given.
+        want_mtp = config.mtp and config.draft is None and mtp_heads(self.target_info) > 0
+        self.mtp = False
+        mtp_drafts: list[MtpSequence] = []
+        per_slot = config.n_ctx
         try:
-            self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc, info=self.target_info)
+            self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc, info=self.target_info,
+                                           load_mtp=want_mtp)
             # Alone, a prompt fills whole batches; beside others, half of one, so they wait one chunk at most.
             chunk = None if n_par == 1 else config.n_batch // 2
             self.target_lane = Lane(LlamaContext(self.target_model, ctx_config), ids, chunk)
+            per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
             if config.draft is not None:
                 self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft, info=draft_info)
                 self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
+            elif want_mtp and self.target_model.n_layer_nextn > 0:
+                mtp_ctx = LlamaContext(self.target_model, ctx_config, mtp_of=self.target_lane.ctx)
+                self.draft_lane, mtp_drafts = mtp_lanes(self.target_lane, mtp_ctx, ids, chunk, n_par, per_slot)
+                self.mtp = True
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
             raise
@@ -129,11 +144,11 @@ class Engine:
                              lambda: self._cost_key, {"target": self.target_lane, "draft": self.draft_lane})
         self._memory: SpeculationMemory | None = None
         self._memory_dir = memory_dir(config.memory_dir) if config.memory else None
-        per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
         self.slots: list[Slot] = []
         for i in range(n_par):
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
-            draft = KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
+            draft = mtp_drafts[i] if self.mtp else \
+                KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
             self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
                                    known_cost=self.known_device_cost))
 
@@ -189,6 +204,8 @@ class Engine:
         c = self.config
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
                      self.target.batch.capacity]  # the batch size llama.cpp really has
+        if self.mtp:
+            placement.append("mtp")  # the drafter is the target's own head
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 
     def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2, remeasure: bool = False) -> DeviceCost | None:
@@ -231,7 +248,9 @@ class Engine:
 
     def kv_key(self) -> KvKey:
         """What a slot's cells depend on, for KV files (backends.kv_store)."""
-        return KvKey.of(self.config.target, self.config.draft, self.target.n_ctx, build_info())
+        # An MTP head's cells are the draft's, of the target's own file.
+        draft = self.config.target if self.mtp else self.config.draft
+        return KvKey.of(self.config.target, draft, self.target.n_ctx, build_info())
 
     def known_device_cost(self) -> DeviceCost | None:
         """The device's cost as measured before (in this session or kept on disk), without measuring."""
@@ -250,7 +269,7 @@ class Engine:
             self.learnt.keep_timing(force=True)  # the lanes' live curves, the realised rates: for the next process
         if getattr(self, "_memory", None) is not None:
             self._memory.flush()  # type: ignore[union-attr]
-        for lane in (self.target_lane, self.draft_lane):
+        for lane in (self.draft_lane, self.target_lane):  # an MTP context reads the target's: it goes first
             if lane is not None:
                 lane.ctx.close()
         for model in (self.target_model, self.draft_model):

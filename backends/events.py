@@ -14,7 +14,7 @@ from typing import Iterable, Literal, Union
 
 TokenKind = Literal["accepted", "target", "rejected"]
 # Who proposed a token: the draft model, prompt lookup, lookahead's n-gram pool, or nobody (the target's own).
-Source = Literal["draft", "lookup", "lookahead", "grammar", "memory", "target"]
+Source = Literal["draft", "mtp", "lookup", "lookahead", "grammar", "memory", "target"]
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
 # Where a thinking model's text goes (backends.reasoning): its reasoning block or the answer.
 Channel = Literal["reasoning", "content"]

@@ -28,7 +28,7 @@ context alone.
 from __future__ import annotations
 
 import time
-from typing import Generator, Iterable, Sequence
+from typing import Callable, Generator, Iterable, Sequence
 
 from backends.errors import CacheRollbackError, ContextFullError
 from backends.live_cost import LiveCurve
@@ -52,6 +52,9 @@ class Lane:
     (a long prompt then delays the others' next tokens by one chunk at most).
     `live` is its cost curve, kept current from every decode whose rows all
     want logits (backends.live_cost): what speculation is priced with.
+    `followers` are called after every decode with its requests and rows,
+    while the context's outputs are at hand (backends.mtp reads the target's
+    hidden states so).
     """
 
     def __init__(self, ctx: LlamaContext, ids_per_token: int | None = None, chunk: int | None = None) -> None:
@@ -60,6 +63,7 @@ class Lane:
         self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
         self.live = LiveCurve()
         self.last_rows = 0  # rows of the last decode
+        self.followers: list[Callable[[Sequence[Sequence[Entry]], list[list[int]]], None]] = []
 
     @property
     def capacity(self) -> int:
@@ -75,11 +79,15 @@ class Lane:
         self.last_rows = n = sum(map(len, requests))
         if all(e[3] for entries in requests for e in entries):  # not a prompt chunk: a shape speculation prices
             self.live.observe(n, seconds)
+        for follow in self.followers:
+            follow(requests, rows)
         return rows
 
 
 class KvSequence:
     """One sequence's share of a lane: its sequence ids, the tokens its main branch holds, its last rows."""
+
+    label = "draft"  # what a drafter on this sequence is called (Token.source): a draft model's
 
     def __init__(self, lane: Lane | LlamaContext, base: int = 0, n_ids: int | None = None,
                  n_ctx: int | None = None) -> None:

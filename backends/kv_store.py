@@ -151,7 +151,8 @@ def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None 
         return None
     draft_tokens, draft_state = (), b""
     if draft is not None and draft.tokens:
-        draft_tokens, draft_state = tuple(draft.tokens), bytes(draft.save())
+        draft_state = bytes(draft.save())  # first: an MTP head drops its drafted rows when saved
+        draft_tokens = tuple(draft.tokens)
     return KvEntry(tuple(target.tokens), bytes(target.save()), draft_tokens, draft_state)
 
 

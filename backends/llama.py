@@ -83,8 +83,13 @@ def default_threads() -> int:
 class LlamaModel:
     """Weights and vocabulary of one GGUF file."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, rpc: Sequence[str] = (), info: object = None) -> None:
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, rpc: Sequence[str] = (), info: object = None,
+                 load_mtp: bool = False) -> None:
         """Load `path` with `n_gpu_layers` layers offloaded (llama.cpp's -ngl; negative: all).
+
+        With `load_mtp`, the file's MTP (NextN) layers are loaded too, for an
+        MTP context beside the target's (backends.mtp); without it llama.cpp
+        skips them, as llama-server does unless asked for `--spec-type draft-mtp`.
 
         With `rpc` (HOST:PORT endpoints of llama.cpp RPC servers) the offloaded
         layers go to the servers' devices (then to this machine's GPUs, as
@@ -103,6 +108,7 @@ class LlamaModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = _use_extra_buffer_types()
+        params.load_mtp = load_mtp
         self._devices: ctypes.Array | None = None  # the NULL-terminated list llama.cpp reads at load
         self.devices: tuple[str, ...] = ()  # names of the devices offered for the offloaded layers (RPC)
         if self.rpc:
@@ -130,6 +136,9 @@ class LlamaModel:
         self.eos: int = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(ptr)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
+        # MTP layers loaded with the model (0 when the file has none or they were not asked for).
+        self.n_layer_nextn: int = int(llama_cpp.llama_model_n_layer_nextn(ptr)) if load_mtp else 0
         self._piece_cache: dict[int, bytes] = {}
 
     @property
@@ -347,9 +356,15 @@ class Batch:
 
 
 class LlamaContext:
-    """One inference context (KV cache + compute buffers) over a loaded model."""
+    """One inference context (KV cache + compute buffers) over a loaded model.
 
-    def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
+    With `mtp_of` (the target's context), it is the model's MTP context
+    (llama.cpp's LLAMA_CONTEXT_TYPE_MTP): it runs only the NextN layers, on
+    rows that carry a hidden state beside their token (backends.llama_ext).
+    """
+
+    def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig(),
+                 mtp_of: "LlamaContext | None" = None) -> None:
         self.model = model
         self.config = config
         params = llama_cpp.llama_context_default_params()
@@ -362,9 +377,13 @@ class LlamaContext:
         threads = config.n_threads or default_threads()
         params.n_threads = threads
         params.n_threads_batch = threads
+        if mtp_of is not None:
+            params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+            params.ctx_other = mtp_of.ptr
         ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ptr:
-            raise ModelError(f"{model.path}: llama.cpp could not create a context of {config.n_ctx} tokens")
+            what = "an MTP context" if mtp_of is not None else "a context"
+            raise ModelError(f"{model.path}: llama.cpp could not create {what} of {config.n_ctx} tokens")
         self._ptr = ptr
         if model.rpc:
             set_rpc_timeouts(model.rpc)
@@ -373,6 +392,12 @@ class LlamaContext:
         # llama.cpp lowers n_batch to n_ctx when the context is smaller; a bigger batch would abort.
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_vocab = model.n_vocab
+
+    @property
+    def ptr(self) -> ctypes.c_void_p:
+        if not self._ptr:
+            raise RuntimeError("context is closed")
+        return self._ptr
 
     def decode(self, batch: Batch) -> None:
         rc = llama_cpp.llama_decode(self._ptr, batch.raw)

@@ -40,8 +40,9 @@ from backends.realised import Realised
 if TYPE_CHECKING:
     from backends.kv import Lane
 
-# One row of a batch: token, position, sequence ids, whether its logits are wanted.
-Entry = tuple[int, int, Sequence[int], bool]
+# One row of a batch: token, position, sequence ids, whether its logits are wanted (and, on an MTP head's
+# lane only, the target's hidden state the row is paired with: backends.mtp).
+Entry = tuple
 
 
 class Decode:

@@ -44,6 +44,8 @@ class GGUFInfo:
     add_bos: bool | None
     add_eos: bool | None
     chat_template: str | None
+    # MTP (NextN) layers the file carries after its trunk (`{arch}.nextn_predict_layers`): a drafter of its own.
+    nextn_layers: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -69,6 +71,7 @@ class GGUFInfo:
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "has_chat_template": self.chat_template is not None,
+            "mtp_heads": self.nextn_layers,
         }
 
 
@@ -148,6 +151,7 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
         add_bos=flag("tokenizer.ggml.add_bos_token"),
         add_eos=flag("tokenizer.ggml.add_eos_token"),
         chat_template=meta.get("tokenizer.chat_template"),
+        nextn_layers=int(meta.get(f"{arch}.nextn_predict_layers") or 0),
     )
 
 

@@ -45,10 +45,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-try:  # imported as eagle3_factory (tests/ on sys.path, as conftest.py puts it) or as tests.eagle3_factory
-    from gguf_factory import Vocab, spm_vocab
-except ImportError:  # pragma: no cover
-    from tests.gguf_factory import Vocab, spm_vocab  # type: ignore[no-redef]
+from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
 
 EAGLE3_ARCH = "eagle3"
 
@@ -82,18 +79,6 @@ class Eagle3Pair:
 
 def _rms(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
-    w.add_tokenizer_model("llama")
-    w.add_token_list(list(vocab.tokens))
-    w.add_token_scores(list(vocab.scores))
-    w.add_token_types(list(vocab.types))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
 
 
 def _add_shape(w: gguf.GGUFWriter, m: Eagle3Pair, n_layer: int) -> None:
@@ -148,7 +133,7 @@ def write_eagle3_pair(
     w = gguf.GGUFWriter(str(target_path), "llama")
     w.add_name("tiny-eagle3-target")
     _add_shape(w, m, m.n_layer)
-    _add_vocab(w, vocab)
+    add_vocab(w, vocab)
     w.add_tensor("token_embd.weight", embd)
     s = 1.0 / np.sqrt(d)
     for i in range(m.n_layer):
@@ -162,10 +147,7 @@ def write_eagle3_pair(
         w.add_tensor(f"blk.{i}.ffn_down.weight", rand((d, f), m.residual / np.sqrt(f)))
     w.add_tensor("output_norm.weight", ones)
     w.add_tensor("output.weight", out)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
 
     # --- draft: eagle3, one layer (ggml shapes in comments: ne0 = input width)
     d2t = _draft_ids(m, embd, out)
@@ -177,7 +159,7 @@ def write_eagle3_pair(
     w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(i) for i in m.target_layers])  # INT32 array
     w.add_uint32(f"{EAGLE3_ARCH}.target_hidden_size", d)
     w.add_bool(f"{EAGLE3_ARCH}.norm_before_residual", m.norm_before_residual)
-    _add_vocab(w, vocab)  # the target's tokenizer, as convert_hf_to_gguf.py writes it for a draft
+    add_vocab(w, vocab)  # the target's tokenizer, as convert_hf_to_gguf.py writes it for a draft
     if m.own_tok_embd:
         w.add_tensor("token_embd.weight", embd)                                   # {d, n_vocab}
     # g's weight in the residual stream: through hidden_norm's weight when the residual takes rms(g),
@@ -204,7 +186,4 @@ def write_eagle3_pair(
     else:
         w.add_tensor("output.weight", out[d2t])                                   # {d, n_draft_vocab}
         w.add_tensor("d2t", d2t)                                                  # I64 {n_draft_vocab}
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)

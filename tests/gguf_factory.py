@@ -58,6 +58,27 @@ def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True, space: bo
     return Vocab(tuple(tokens), tuple(scores), tuple(types))
 
 
+def write_out(w: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    """The vocabulary as a SentencePiece ('llama') tokenizer: <s> = 1 added first, </s> = 2, <unk> = 0."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_scores(list(vocab.scores))
+    w.add_token_types(list(vocab.types))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 @dataclass(frozen=True)
 class TinyModel:
     n_embd: int = 64
@@ -101,15 +122,7 @@ def write_llama_gguf(
     w.add_rope_dimension_count(d // model.n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(list(vocab.tokens))
-    w.add_token_scores(list(vocab.scores))
-    w.add_token_types(list(vocab.types))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    add_vocab(w, vocab)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
@@ -125,8 +138,5 @@ def write_llama_gguf(
     w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     w.add_tensor("output.weight", weight((n_vocab, d), model.logit_scale))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_out(w)
     return path

@@ -40,6 +40,23 @@ def outcome(engine: Engine, done: Done) -> tuple[int, ...]:
     return out
 
 
+def empirical(engine: Engine, strategy: str, prompt: list[int], params: GenParams, runs: int,
+              options=None) -> tuple[dict[tuple[int, ...], int], int]:
+    """Outcome counts of `runs` generations (seeds 0..runs-1) and the drafts accepted in all."""
+    from backends.config import StrategyOptions
+    from engine_helpers import run_to_done
+
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(runs):
+        done = run_to_done(engine, strategy, prompt, GenParams(**{**params.__dict__, "seed": seed}),
+                           options or StrategyOptions())
+        key = outcome(engine, done)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += done.stats.accepted
+    return counts, accepted
+
+
 def fits_law(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
     """Chi-square p-value of the counts under the law (rare outcomes merged so each cell expects >= 5)."""
     runs = sum(counts.values())

@@ -1,7 +1,7 @@
 """The architecture's import rules and the files' size, enforced (as harlequin does for its own layers).
 
-- Only the llama.cpp binding (backends/llama.py and its process-wide part, backends/llama_process.py)
-  imports llama_cpp: everything else, the RPC client and server in backends/llama_rpc.py included, talks
+- Only the llama.cpp binding (backends/llama.py, its process-wide part, backends/llama_process.py, and its
+  extended API for drafters that read hidden states, backends/llama_ext.py) imports llama_cpp: everything else, the RPC client and server in backends/llama_rpc.py included, talks
   to its typed surface.
 - The project's modules import each other without cycles (runtime imports, at module level or in a
   function; `if TYPE_CHECKING:` imports may point anywhere): the engine, the strategy registry and `auto`
@@ -69,7 +69,7 @@ def test_the_rules_see_every_package() -> None:
 
 def test_only_the_binding_imports_llama_cpp() -> None:
     assert _offenders(("app", "backends", "models"), ("llama_cpp",),
-                      allowed=("backends/llama.py", "backends/llama_process.py")) == []
+                      allowed=("backends/llama.py", "backends/llama_process.py", "backends/llama_ext.py")) == []
 
 
 def test_engine_and_models_have_no_ui() -> None:

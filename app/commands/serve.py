@@ -105,7 +105,8 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     parallel = args.parallel
     if not 1 <= parallel <= min(max_sequences(), settings.n_batch):
         raise UserError(f"--parallel must be in 1..{min(max_sequences(), settings.n_batch)}, got {parallel}")
-    require_draft(settings.strategy, settings.draft is not None)
+    if not settings.mtp:  # a target's own MTP head is known once it is loaded
+        require_draft(settings.strategy, settings.draft is not None)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.host not in LOOPBACK_HOSTS:
         print(f"specchat serve: warning: listening on {args.host}, reachable from other machines"
@@ -115,6 +116,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
     n_seq = min(N_SEQ_PER_REQUEST, max_sequences() // parallel)
     engine = open_engine(settings, n_seq, print_progress, with_draft=True, n_parallel=parallel)  # fits the batch
     try:
+        require_draft(settings.strategy, engine.draft is not None)
         if parallel > 1:  # measuring later would decode in the middle of other requests' steps
             rows = min(settings.n_batch, max(AUTO_K_MAX, COST_ROWS_MAX))
             if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:

@@ -58,7 +58,8 @@ class SpeculativeSampling(StepMachine):
                 return
             chain = yield from propose(min(k_cur, run.room() - 1))
             drafts = chain.tokens
-            verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else chain.dists)
+            verdict = yield from chain_step(run, self.target, drafts, None if params.greedy else chain.dists,
+                                            self.draft.label)
             if cfg.adaptive and drafts:
                 if verdict.n_accepted == len(drafts):
                     k_cur = min(cfg.draft_max, k_cur + 2)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the factories import each other as the tests do (conftest.py)
 
+from drafter_factory import write_mtp_target  # noqa: E402
 from eagle3_factory import write_eagle3_pair  # noqa: E402
 
 
@@ -36,16 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     write_eagle3_pair(target, draft, seed=args.seed)
     written += [target, draft]
 
-    try:  # the MTP fixture's module is written separately; the EAGLE-3 pair does not need it
-        from tests.drafter_factory import write_mtp_target
-    except ModuleNotFoundError as e:
-        if e.name not in ("tests.drafter_factory", "drafter_factory"):
-            raise
-        print(f"skipped mtp-target.gguf: {e}", file=sys.stderr)
-    else:
-        mtp = out / "mtp-target.gguf"
-        write_mtp_target(mtp)
-        written.append(mtp)
+    mtp = out / "mtp-target.gguf"
+    write_mtp_target(mtp)
+    written.append(mtp)
 
     for p in written:
         print(p)

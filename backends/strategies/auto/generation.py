@@ -223,7 +223,8 @@ class Generation:
         looked at (the accepted ones and the first refused one)."""
         st, run = self.state, self.run
         t0 = time.perf_counter()
-        verdict = yield from chain_step(run, self.target, drafts, dists, SOURCES[source], choice.why)
+        label = self.draft.label if source == DRAFT and self.draft is not None else SOURCES[source]
+        verdict = yield from chain_step(run, self.target, drafts, dists, label, choice.why)
         seconds = time.perf_counter() - t0
         self._rows(len(drafts) + 1)
         if not drafts:

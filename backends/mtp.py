@@ -1,0 +1,247 @@
+"""A model's own MTP (multi-token prediction) head as a drafter: the same seam as a draft model's sequence.
+
+llama.cpp's `common_speculative_impl_draft_mtp` (common/speculative.cpp, the
+version vendored in llama-cpp-python 0.3.36) runs a GGUF's NextN layers in a
+second context of the same weights (LLAMA_CONTEXT_TYPE_MTP). Its row at
+position p is the pair (token x_p, the target's hidden state h_{p-1} at the
+position before), and its logits there predict the token at p + 1: h_{p-1}
+already predicted x_p, so the head looks one token further. To draft after a
+context of n tokens, the head holds the rows 0 .. n-2 (each paired with the
+target's hidden state), decodes (x_{n-1}, h_{n-2}) for the first draft token,
+then feeds each drafted token with its *own* hidden output, as deep as the
+chain goes (Qwen3.5's one head reused; a model with several heads chains
+them, which llama.cpp 0.3.36 does only for step35: not done here).
+
+Here the head is a `KvSequence` of its own lane (`MtpSequence`), so
+everything built on a draft model's sequence (`sps`, `auto`'s chains, the
+device cost, the prompt cache, KV files, the scheduler's draft lane) runs on
+it unchanged. What differs is kept here:
+  - The target's lane hands every decode's hidden rows to a `HiddenStash`
+    per slot (by position and token), and the head takes them when it
+    catches up: lazily, at its next `syncing`, in one batch with the first
+    draft row, instead of after every target decode as llama-server does.
+    `ar`, or `auto` deciding not to draft, pays nothing for the head.
+  - Rows the head drafted are not paired with the target's states: the
+    cells beyond `paired` are dropped at the next `syncing`, and the
+    accepted tokens are decoded again, paired, as llama.cpp's process() does.
+A hidden state the stash lacks (cells restored from a cache the target did
+not decode in this process) is read as zeros, as llama.cpp starts its own
+`pending_h`: drafts degrade there, never the output, which verification keeps
+lossless.
+"""
+
+from __future__ import annotations
+
+from typing import Generator, Iterable, Sequence
+
+import numpy as np
+
+from backends.errors import ContextFullError
+from backends.kv import KvSequence, Lane, common_prefix
+from backends.llama import LlamaContext
+from backends.llama_ext import HiddenBatch, enable_hidden, hidden_row, hidden_rows
+from backends.steps import Decode, Entry, Rows
+
+
+class HiddenStash:
+    """The target's hidden rows of one slot (sequence ids base .. base + n_ids - 1), by (position, token),
+    until its head has read them. Bounded: past `cap` rows (a strategy that never drafts), the lowest
+    positions go."""
+
+    def __init__(self, base: int, n_ids: int, n_embd: int, cap: int) -> None:
+        self.lo, self.hi, self.n_embd, self.cap = base, base + n_ids, n_embd, cap
+        self.rows: dict[tuple[int, int], np.ndarray] = {}
+        self._zeros = np.zeros(n_embd, dtype=np.float32)
+
+    def take(self, entries: Sequence[Entry], rows: Sequence[int], hidden: np.ndarray) -> None:
+        """Keep the hidden rows of `entries` (decoded at `rows` of a batch whose rows are `hidden`) if they are
+        this slot's (a request's entries are all one sequence's)."""
+        if not entries or not self.lo <= entries[0][2][0] < self.hi:
+            return
+        copied = hidden[np.asarray(rows)]  # one copy of the request's rows; the dict keeps views of it
+        for i, e in enumerate(entries):
+            self.rows[(e[1], e[0])] = copied[i]
+        if len(self.rows) > self.cap:
+            top = max(p for p, _ in self.rows)
+            self.drop_below(top - self.cap // 2)
+
+    def get(self, pos: int, token: int) -> np.ndarray | None:
+        return self.rows.get((pos, token))
+
+    def zeros(self) -> np.ndarray:
+        return self._zeros
+
+    def drop_below(self, pos: int) -> None:
+        """Forget the rows of positions below `pos` (the head has read them)."""
+        self.rows = {k: v for k, v in self.rows.items() if k[0] >= pos}
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+class HiddenFeed:
+    """Called by the target's lane after every decode (Lane.followers): hands the batch's hidden rows to the
+    slots' stashes."""
+
+    def __init__(self, ctx: LlamaContext, stashes: Sequence[HiddenStash]) -> None:
+        self.ctx = ctx
+        self.stashes = list(stashes)
+
+    def __call__(self, requests: Sequence[Sequence[Entry]], rows: Sequence[Sequence[int]]) -> None:
+        n = sum(map(len, requests))
+        if n == 0:
+            return
+        hidden = hidden_rows(self.ctx, n)
+        for entries, rws in zip(requests, rows):
+            for stash in self.stashes:
+                stash.take(entries, rws, hidden)
+
+
+class MtpLane(Lane):
+    """The MTP context and its batch, whose rows carry a hidden state: entries are (token, position,
+    sequence ids, wants logits, hidden state or None for zeros)."""
+
+    def __init__(self, ctx: LlamaContext, ids_per_token: int | None = None, chunk: int | None = None) -> None:
+        super().__init__(ctx, ids_per_token, chunk)
+        self.hidden_batch = HiddenBatch(ctx)
+        self._zeros = np.zeros(ctx.model.n_embd, dtype=np.float32)
+
+    def decode(self, requests: Sequence[Sequence[Entry]]) -> list[list[int]]:
+        flat = [e for entries in requests for e in entries]
+        hidden = np.stack([e[4] if len(e) > 4 and e[4] is not None else self._zeros for e in flat]) if flat \
+            else np.zeros((0, self._zeros.size), dtype=np.float32)
+        self.hidden_batch.fill([e[:4] for e in flat], hidden)
+        seconds = self.hidden_batch.process()
+        self.last_rows = n = len(flat)
+        if n and all(e[3] for e in flat):
+            self.live.observe(n, seconds)
+        out, i = [], 0
+        for entries in requests:
+            out.append(list(range(i, i + len(entries))))
+            i += len(entries)
+        return out
+
+
+class MtpSequence(KvSequence):
+    """One slot's share of the MTP context: a draft sequence whose rows carry the target's hidden states."""
+
+    label = "mtp"
+
+    def __init__(self, lane: MtpLane, stash: HiddenStash, base: int = 0, n_ids: int | None = None,
+                 n_ctx: int | None = None) -> None:
+        super().__init__(lane, base, n_ids, n_ctx)
+        self.stash = stash
+        self.paired = 0  # the leading cells decoded with the target's hidden states
+        self.missing = 0  # rows decoded with zeros for want of the target's state (restored cells)
+        self._last_hidden: np.ndarray | None = None  # the head's own hidden output at its last row
+
+    def _catch_up(self, tokens: Sequence[int], start: int, stop: int) -> list[tuple]:
+        """The rows (x_p, h_{p-1}) for positions start .. stop-1, each with the target's state, zeros where the
+        stash has none."""
+        out = []
+        for p in range(start, stop):
+            h = self.stash.get(p - 1, tokens[p - 1]) if p > 0 else None
+            if h is None:
+                h = self.stash.zeros()
+                self.missing += p > 0
+            out.append((tokens[p], p, (self.base,), False, h))
+        return out
+
+    def syncing(self, tokens: Sequence[int], logits: bool = True) -> Generator[Decode, list[int], int]:
+        """Make the head hold `tokens`, every row paired with the target's state; returns how many it kept.
+
+        With logits=False (a prefill), it decodes only as far as the target's
+        states are at hand: a prompt the target has not decoded yet is caught
+        up at the next syncing, in the batch of the first draft row.
+        """
+        keep = min(common_prefix(self.tokens, tokens), self.paired)
+        if logits and keep == len(tokens):
+            keep -= 1
+        self.truncate(keep)
+        stop = len(tokens)
+        if not logits:
+            stop = keep
+            while stop < len(tokens) and (stop == 0 or self.stash.get(stop - 1, tokens[stop - 1]) is not None):
+                stop += 1
+        if stop > self.n_ctx:
+            raise ContextFullError(f"{stop} tokens do not fit in the context of {self.n_ctx}")
+        rows: list[int] = []
+        for start in range(keep, stop, self.lane.chunk):
+            end = min(stop, start + self.lane.chunk)
+            entries = self._catch_up(tokens, start, end)
+            if logits and end == stop:
+                entries[-1] = entries[-1][:3] + (True,) + entries[-1][4:]
+            rows = yield Decode(self.lane, entries)
+            self.tokens.extend(tokens[start:end])
+        self.paired = len(self.tokens)
+        self.stash.drop_below(self.paired - 1)
+        if logits and rows:
+            self.rows, self.last_row = rows, rows[-1]
+            self._last_hidden = hidden_row(self.ctx, self.last_row).copy()
+        return keep
+
+    def extending(self, tokens: Sequence[int], logits: str = "last") -> Rows:
+        """Decode drafted `tokens` after what the head holds, the first paired with the head's own hidden output
+        at its last row (a chain's next step); these rows are not paired with the target's states."""
+        if not tokens:
+            return []
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextFullError(f"{len(self.tokens) + len(tokens)} tokens do not fit in the context of "
+                                   f"{self.n_ctx}")
+        base = len(self.tokens)
+        first = self._last_hidden if self._last_hidden is not None else self.stash.zeros()
+        entries = [(tok, base + i, (self.base,), logits == "all" or (logits == "last" and i == len(tokens) - 1),
+                    first if i == 0 else None) for i, tok in enumerate(tokens)]
+        rows = yield Decode(self.lane, entries)
+        self.tokens.extend(tokens)
+        self.rows, self.last_row = rows, rows[-1]
+        if logits != "none":
+            self._last_hidden = hidden_row(self.ctx, self.last_row).copy()
+        return rows
+
+    def decoding(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> Rows:
+        """Rows after what the head holds, each paired with the head's hidden output at its last row."""
+        h = self._last_hidden
+        rows = yield Decode(self.lane, [(tok, pos, self._ids(seqs), want, h) for tok, pos, seqs, want in entries])
+        return rows
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        self.paired = min(self.paired, len(self.tokens))
+
+    def save(self) -> bytearray:
+        """The paired cells (drafted rows are dropped first: nobody would read them again)."""
+        self.truncate(self.paired)
+        return super().save()
+
+    def restore(self, tokens: Sequence[int], state: bytearray) -> bool:
+        ok = super().restore(tokens, state)
+        self.paired = len(self.tokens)
+        return ok
+
+    def copy_prefix(self, src: KvSequence, n: int) -> None:
+        super().copy_prefix(src, n)
+        self.paired = min(n, getattr(src, "paired", 0))
+        self.truncate(self.paired)
+
+    def keep_branch(self, context: Sequence[int], keep: int, best_seq: int, reshare: int = 0) -> None:
+        super().keep_branch(context, keep, best_seq, reshare)
+        self.paired = min(self.paired, keep)
+
+    def reset(self) -> None:
+        super().reset()
+        self.paired = 0
+        self._last_hidden = None
+        self.stash.clear()
+
+
+def mtp_lanes(target: Lane, ctx: LlamaContext, ids: int, chunk: int | None, n_slots: int, n_ctx: int,
+              ) -> tuple[MtpLane, list[MtpSequence]]:
+    """The head's lane over `ctx` (the target model's MTP context) and one MtpSequence per slot, fed with the
+    target lane's hidden rows from now on."""
+    enable_hidden(target.ctx, masked=False)
+    enable_hidden(ctx, masked=True)
+    lane = MtpLane(ctx, ids, chunk)
+    stashes = [HiddenStash(i * ids, ids, ctx.model.n_embd, cap=max(256, n_ctx)) for i in range(n_slots)]
+    target.followers.append(HiddenFeed(target.ctx, stashes))
+    return lane, [MtpSequence(lane, stashes[i], i * ids, ids, n_ctx) for i in range(n_slots)]

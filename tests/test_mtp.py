@@ -1,0 +1,181 @@
+"""A target's own MTP head as the drafter (backends.mtp), on real llama.cpp with tiny glm4moe files that carry one.
+
+The files (tests/drafter_factory.py) make the head's agreement with the
+target tunable: `agreeing` has most drafts accepted, `random` few, so both the
+accepting and the rejecting paths run. Greedy output is `ar`'s token for token
+for every strategy that drafts with the head, alone and under the server's
+scheduler; with sampling, the law of the first two tokens is the target's
+(chi-square at stats_helpers.ALPHA); the head's cells follow the accepted text
+and nothing leaks between requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from backends.config import StrategyOptions
+from backends.engine import Engine, EngineConfig
+from backends.events import Token
+from backends.mtp import MtpSequence
+from backends.sampling import GenParams
+from backends.strategies.sps import SpsConfig
+from conftest import TINY_VOCAB_WORDS
+from drafter_factory import MtpModel, write_mtp_target
+from engine_helpers import run_to_done
+from gguf_factory import spm_vocab
+from models.drafters import describe_drafters, mtp_heads
+from models.gguf_info import validate_gguf
+from stats_helpers import ALPHA, empirical, fits_law, target_law
+
+SPS = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0, adaptive=False))
+PROMPTS = ([1, 300, 301, 302, 303], [1, 259 + 4, 259 + 9, 259 + 2], [1, 271, 283, 290, 305, 300, 271])
+
+
+@dataclass(frozen=True)
+class MtpFiles:
+    agreeing: Path
+    random: Path
+    small: Path  # a 12-token vocabulary, for the chi-square test
+
+
+@pytest.fixture(scope="module")
+def mtp_files(tmp_path_factory: pytest.TempPathFactory) -> MtpFiles:
+    d = tmp_path_factory.mktemp("mtp")
+    return MtpFiles(
+        agreeing=write_mtp_target(d / "agreeing.gguf", MtpModel(residual=0.1, head_noise=0.1)),
+        random=write_mtp_target(d / "random.gguf", MtpModel(residual=1.0, head_noise=1.0, seed=3)),
+        small=write_mtp_target(d / "small.gguf", MtpModel(residual=0.3, head_noise=0.3, logit_scale=0.35),
+                               vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)),
+    )
+
+
+def _engine(path: Path, **kw) -> Engine:
+    return Engine(EngineConfig(target=path, n_ctx=512, threads=1, cost_cache=Path(""), memory=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def agreeing(mtp_files: MtpFiles) -> Engine:
+    engine = _engine(mtp_files.agreeing)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def random_head(mtp_files: MtpFiles) -> Engine:
+    engine = _engine(mtp_files.random)
+    yield engine
+    engine.close()
+
+
+def test_the_file_says_it_carries_a_head(mtp_files: MtpFiles) -> None:
+    info = validate_gguf(mtp_files.agreeing)
+    assert info.architecture == "glm4moe" and info.nextn_layers == 1 and mtp_heads(info) == 1
+    assert info.summary()["mtp_heads"] == 1
+    assert describe_drafters(info).startswith("MTP heads: 1")
+
+
+def test_the_head_drafts_without_a_draft_model(agreeing: Engine) -> None:
+    assert agreeing.mtp and isinstance(agreeing.draft, MtpSequence)
+    assert agreeing.target_model.n_layer_nextn == 1
+
+
+def test_no_mtp_loads_the_target_alone(mtp_files: MtpFiles) -> None:
+    engine = _engine(mtp_files.agreeing, mtp=False)
+    try:
+        assert not engine.mtp and engine.draft is None and engine.target_model.n_layer_nextn == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("which", ["agreeing", "random_head"])
+def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest) -> None:
+    engine: Engine = request.getfixturevalue(which)
+    accepted = rejected = 0
+    for prompt in PROMPTS:
+        params = GenParams(max_tokens=48, temperature=0.0)
+        want = run_to_done(engine, "ar", prompt, params).tokens
+        for strategy in ("sps", "auto"):
+            done = run_to_done(engine, strategy, prompt, params, SPS)
+            assert done.tokens == want, f"{strategy} on {which} differs from ar"
+        sps = run_to_done(engine, "sps", prompt, params, SPS)
+        accepted += sps.stats.accepted
+        rejected += sps.stats.drafted - sps.stats.accepted
+    rate = accepted / (accepted + rejected)
+    if which == "agreeing":  # the head often agrees: the accepting paths ran (chains of 4, so deep ones fail)
+        assert accepted > 50 and rate > 0.4, (accepted, rejected)
+    else:
+        assert rate < 0.2, (accepted, rejected)
+
+
+def test_drafted_tokens_are_labelled_mtp(agreeing: Engine) -> None:
+    events = list(agreeing.strategy("sps", SPS).generate(PROMPTS[0], GenParams(max_tokens=24, temperature=0.0)))
+    sources = {e.source for e in events if isinstance(e, Token) and e.source != "target"}
+    assert sources == {"mtp"}
+
+
+def test_the_heads_cells_follow_the_accepted_text(agreeing: Engine) -> None:
+    """After each request the head holds the context's paired cells and nothing drafted; a second request on
+    another prompt starts from their common prefix, and the target's and the head's cells agree."""
+    draft = agreeing.draft
+    for prompt in PROMPTS:
+        done = run_to_done(agreeing, "sps", prompt, GenParams(max_tokens=30, temperature=0.0), SPS)
+        assert draft.tokens[:draft.paired] == (list(prompt) + list(done.tokens))[:draft.paired]
+        assert draft.cells() == len(draft.tokens)  # llama.cpp holds exactly what the record says
+        draft.truncate(draft.paired)
+        assert draft.cells() == draft.paired
+    agreeing.slots[0].reset()
+    assert draft.cells() == 0 and agreeing.target.cells() == 0 and not draft.stash.rows
+
+
+def test_sampling_keeps_the_targets_law(mtp_files: MtpFiles) -> None:
+    engine = _engine(mtp_files.small)
+    try:
+        prompt = [1, 4, 6, 8]
+        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        law = target_law(engine, prompt, params)
+        counts, accepted = empirical(engine, "sps", prompt, params, 3000, SPS)
+        assert accepted > 100, "the head's drafts must be accepted often enough to test the accepting path"
+        p_value = fits_law(counts, law)
+        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+    finally:
+        engine.close()
+
+
+def test_a_mixed_batch_with_the_head_gives_each_request_its_text_alone(mtp_files: MtpFiles) -> None:
+    """Four slots decoding together (the server's scheduler), every strategy: at temperature 0 each request
+    gives its text alone (or differs only at a near-tie under llama.cpp's batch noise), the head's rows of
+    several sequences share its lane's batches, and no slot keeps cells beyond its record."""
+    from backends.slot_pool import SlotPool
+    from engine_helpers import BATCH_NOISE, top2_gap
+    from test_batching import _collect, _leaks
+
+    strategies = ["ar", "sps", "auto", "tree", "sps", "lookup", "auto", "sps"]
+    options = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0))
+    engine = Engine(EngineConfig(target=mtp_files.agreeing, n_ctx=512, threads=1, n_seq_max=16, n_parallel=4,
+                                 cost_cache=Path(""), memory=False))
+    alone = _engine(mtp_files.agreeing, mtp=False)
+    try:
+        assert engine.mtp
+        params = GenParams(max_tokens=40, temperature=0.0)
+        prompts = [list(PROMPTS[i % len(PROMPTS)]) + [300 + i] for i in range(len(strategies))]
+        jobs = [(s, p, params) for s, p in zip(strategies, prompts)]
+        got = _collect(SlotPool(engine), jobs, options)
+        divergences = []
+        for (strategy, prompt, _), events in zip(jobs, got):
+            done = events[-1]
+            assert done.reason in ("length", "eos"), done
+            want = run_to_done(alone, "ar", prompt, params).tokens
+            if done.tokens != want:
+                i = next(i for i, (a, b) in enumerate(zip(done.tokens + (-1,), want)) if a != b)
+                divergences.append((strategy, i, top2_gap(alone, prompt + list(want[:i]))))
+        assert all(gap < BATCH_NOISE for _, _, gap in divergences), divergences
+        assert len(divergences) <= 2, divergences
+        mtp_rows = sum(1 for ev in got for e in ev if isinstance(e, Token) and e.source == "mtp")
+        assert mtp_rows > 20, "the head drafted under load"
+        assert not _leaks(engine), _leaks(engine)
+    finally:
+        engine.close()
+        alone.close()
