@@ -51,6 +51,10 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> PairCheck:
                 f"token {i} differs (target {target.tokens[i]!r}, draft {draft.tokens[i]!r})"
             )
             break
+    if draft.architecture == "eagle3":
+        from models.drafters import eagle3_problems
+
+        problems += eagle3_problems(target, draft)
     return PairCheck(tuple(problems))
 
 

@@ -2,7 +2,11 @@
 
 In 2026 many models ship their own drafter: MTP (multi-token prediction, NextN)
 layers after the trunk, counted by `{arch}.nextn_predict_layers` (Qwen3.5/3.6,
-GLM-4.5 and later, DeepSeek V3/V4, Step 3.5, ...). llama.cpp 0.3.36 runs them
+GLM-4.5 and later, DeepSeek V3/V4, Step 3.5, ...); or a one-layer EAGLE-3
+draft in a file of its own (architecture `eagle3`), which reads three of the
+target's layers (`eagle3.target_layers`, `eagle3.target_hidden_size`) and may
+propose from a reduced vocabulary mapped back by its `d2t` tensor
+(docs/eagle3-protocol.md). llama.cpp 0.3.36 runs them
 for the architectures whose graph has an MTP form (src/models/*.cpp, those
 whose build_arch_graph handles LLM_GRAPH_TYPE_DECODER_MTP); GLM-4 keeps the
 tensors "preserved but unused", so a file of another architecture is run
@@ -25,8 +29,28 @@ def mtp_heads(info: GGUFInfo) -> int:
     return info.nextn_layers if info.architecture in MTP_ARCHITECTURES else 0
 
 
+def eagle3_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
+    """Why an EAGLE-3 draft cannot read this target (its layers and hidden size), in words; [] when it can."""
+    problems = []
+    if len(draft.eagle3_layers) != 3:
+        problems.append(f"an EAGLE-3 draft reads 3 target layers, this one names {len(draft.eagle3_layers)}")
+    n_layer = (target.block_count or 0) - target.nextn_layers  # the trunk: an MTP head's layers come after it
+    too_deep = [i for i in draft.eagle3_layers if not 0 <= i <= n_layer]
+    if too_deep:
+        problems.append(f"it reads layers {too_deep}, the target has {n_layer}")
+    if draft.eagle3_hidden is not None and target.embedding_length is not None \
+            and draft.eagle3_hidden != target.embedding_length:
+        problems.append(f"it reads hidden states of {draft.eagle3_hidden}, the target's are {target.embedding_length}")
+    return problems
+
+
 def describe_drafters(info: GGUFInfo) -> str:
-    """One line on the drafters a file carries, for `models info` and the chat app."""
+    """One line on the drafters a file carries (or is), for `models info` and the chat app."""
+    if info.architecture == "eagle3":
+        vocab = f"{info.draft_vocab} of the target's {info.vocab_size} tokens" if info.draft_vocab \
+            else f"the target's {info.vocab_size} tokens"
+        return (f"EAGLE-3 draft for target layers {list(info.eagle3_layers)}, hidden size {info.eagle3_hidden}, "
+                f"proposing from {vocab}")
     if info.nextn_layers and info.architecture not in MTP_ARCHITECTURES:
         return (f"{info.nextn_layers} MTP layer(s), which llama.cpp 0.3.36 does not run for the "
                 f"{info.architecture} architecture")

@@ -20,7 +20,16 @@ import gguf
 from models.errors import ModelError
 from models.gguf_header import GGUFHeader, HeaderError, NeedMoreData, parse_header
 
-_KNOWN_ARCHITECTURES = frozenset(gguf.MODEL_ARCH_NAMES.values())
+# The architectures the `gguf` package names, and those llama.cpp 0c1e570 (vendored in llama-cpp-python
+# 0.3.36, src/llama-arch.cpp) runs beyond them: 2026's models and drafters (EAGLE-3 and DFlash drafts, Gemma 4's
+# assistant, DeepSeek V4, GLM-5 Next, ...), which a `gguf` release may not know yet.
+_LLAMA_CPP_ARCHITECTURES = frozenset({
+    "bailingmoe3", "cohere2moe", "deepseek32", "deepseek4", "dflash", "dots3note", "eagle3", "gemma4-assistant",
+    "glm5-next", "granite_swa", "graniteswitch", "hrm_text", "hy_v3", "hy_v4", "kimi-k3", "laguna", "maple",
+    "mellum", "minimax-01", "minimax-m3", "muse-glimmer", "nanbeige", "pockettts", "qwen3tts", "qwen4exp",
+    "spark2_5", "talkie",
+})
+_KNOWN_ARCHITECTURES = frozenset(gguf.MODEL_ARCH_NAMES.values()) | _LLAMA_CPP_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,11 @@ class GGUFInfo:
     chat_template: str | None
     # MTP (NextN) layers the file carries after its trunk (`{arch}.nextn_predict_layers`): a drafter of its own.
     nextn_layers: int = 0
+    # An EAGLE-3 draft's target layers (`eagle3.target_layers`), the target's hidden size it reads
+    # (`eagle3.target_hidden_size`) and its own reduced vocabulary (the rows of its `d2t` map; 0: the target's).
+    eagle3_layers: tuple[int, ...] = ()
+    eagle3_hidden: int | None = None
+    draft_vocab: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +86,8 @@ class GGUFInfo:
             "add_eos": self.add_eos,
             "has_chat_template": self.chat_template is not None,
             "mtp_heads": self.nextn_layers,
+            **({"eagle3_target_layers": list(self.eagle3_layers), "eagle3_target_hidden_size": self.eagle3_hidden,
+                "draft_vocab_size": self.draft_vocab or self.vocab_size} if self.architecture == "eagle3" else {}),
         }
 
 
@@ -152,6 +168,9 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
         add_eos=flag("tokenizer.ggml.add_eos_token"),
         chat_template=meta.get("tokenizer.chat_template"),
         nextn_layers=int(meta.get(f"{arch}.nextn_predict_layers") or 0),
+        eagle3_layers=tuple(int(i) for i in meta.get("eagle3.target_layers") or ()),
+        eagle3_hidden=meta.get("eagle3.target_hidden_size"),
+        draft_vocab=next((t.n_elements for t in header.tensors if t.name == "d2t"), 0),
     )
 
 

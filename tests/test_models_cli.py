@@ -71,8 +71,9 @@ def test_info_reads_a_remote_header_then_the_local_file(catalog_hub: FakeHub, ca
     rc, out, err = _cli(capsys, "models", "info", "qwen2.5-7b-instruct", "--json")
     data = json.loads(out)
     assert data["source"] == "local" and data["path"] == str(resolve_model("qwen2.5-7b-instruct").resolve())
-    assert {k: v for k, v in data.items() if k not in ("source", "path")} == \
+    assert {k: v for k, v in data.items() if k not in ("source", "path", "drafters")} == \
         {k: v for k, v in expected.summary().items() if k != "path"}
+    assert data["drafters"] == "none"
 
 
 def test_check_local_files(tmp_path: Path, monkeypatch, capsys, hub_ggufs) -> None:

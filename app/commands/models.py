@@ -19,6 +19,7 @@ from app.loading import quantize
 from app.units import format_size
 from models.catalog import CatalogModel, load_catalog
 from models.compat import PairCheck, check_pair
+from models.drafters import describe_drafters
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
 from models.hub import Progress, pull
@@ -164,7 +165,7 @@ def _pairs(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     header = model_header(args.ref, print_progress, _offline(args), quantize)
-    data = {**header.info.summary(), "source": header.source}
+    data = {**header.info.summary(), "drafters": describe_drafters(header.info), "source": header.source}
     if args.json:
         print(json.dumps(data))
     else:

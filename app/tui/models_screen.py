@@ -25,6 +25,7 @@ from app.errors import describe
 from app.units import format_size
 from models.catalog import load_catalog
 from models.compat import check_pair
+from models.drafters import mtp_heads
 from models.errors import ModelError
 from models.hub import Cancelled, Progress, pull
 from models.local import LocalModel, local_models
@@ -100,10 +101,14 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         for i, m in enumerate(self.local):
             if m.info is None:
                 options.add_option(Option(f"{m.name} · unusable: {m.problem}", id=str(i), disabled=True))
+            elif m.info.architecture == "eagle3":  # a draft only: it runs beside the target it reads
+                options.add_option(Option(f"{m.name} · {format_size(m.info.size_bytes)} · EAGLE-3 draft: pick its "
+                                          "target, then it", id=str(i), disabled=True))
             else:
+                heads = mtp_heads(m.info)
                 options.add_option(Option(
-                    f"{m.name} · {format_size(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}",
-                    id=str(i)))
+                    f"{m.name} · {format_size(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}"
+                    + (f" · its own MTP head{'s' if heads > 1 else ''}" if heads else ""), id=str(i)))
         if self.local:
             options.highlighted = 0
             options.focus()
@@ -142,12 +147,15 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         self.query_one("#drafts-title", Static).update(f"Drafts for {target.name} · Enter: chat with this pair")
         drafts = self.query_one("#drafts", OptionList)
         drafts.clear_options()
-        drafts.add_option(Option("(no draft: ar, lookahead and lookup only)", id=NO_DRAFT))
+        heads = mtp_heads(target.info)
+        drafts.add_option(Option("(no draft file: its own MTP head drafts)" if heads else
+                                 "(no draft: ar, lookahead and lookup only)", id=NO_DRAFT))
         for i, m in enumerate(self.local):
             if m is target or m.info is None:
                 continue
             verdict = check_pair(target.info, m.info)
-            label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}"
+            label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}" \
+                + (" · EAGLE-3" if m.info.architecture == "eagle3" else "")
             if verdict.ok:
                 drafts.add_option(Option(label, id=str(i)))
             else:
