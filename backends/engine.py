@@ -9,6 +9,12 @@ conversation's cache); `specchat serve --parallel N` makes N, which decode
 together (backends.scheduler). The draft is checked against the target with
 llama.cpp's compatibility rules before it is loaded.
 
+The drafter of a slot's sequences is one of three behind the same seam
+(`KvSequence`): a draft model's own context, the target's MTP head
+(backends.mtp: a target with NextN layers and no -md), or an EAGLE-3 draft
+(backends.eagle3: -md of architecture `eagle3`, which reads three of the
+target's layers). `drafter` says which.
+
 KV memory: each slot may fill `n_ctx` positions, so the contexts hold
 `n_ctx x n_parallel` cells (as Ollama's OLLAMA_NUM_PARALLEL multiplies its
 context; llama-server divides -c among its slots instead).
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
+from backends.eagle3 import eagle3_lanes
 from backends.kv import KvSequence, Lane
 from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
@@ -113,7 +120,9 @@ class Engine:
         # The target's own MTP head drafts when the file has one, its graph runs in llama.cpp and no draft is given.
         want_mtp = config.mtp and config.draft is None and mtp_heads(self.target_info) > 0
         self.mtp = False
-        mtp_drafts: list[MtpSequence] = []
+        # Who drafts: "draft" (a draft model), "mtp" (the target's own head), "eagle3" (an EAGLE-3 draft), or None.
+        self.drafter: str | None = None
+        mtp_drafts: list[MtpSequence] = []  # the MTP head's or the EAGLE-3 draft's sequences, one per slot
         per_slot = config.n_ctx
         try:
             self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc, info=self.target_info,
@@ -124,11 +133,18 @@ class Engine:
             per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
             if config.draft is not None:
                 self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft, info=draft_info)
-                self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
+                if draft_info is not None and draft_info.architecture == "eagle3":
+                    self.draft_lane, mtp_drafts = eagle3_lanes(self.target_lane, self.draft_model, ctx_config, ids,
+                                                               chunk, n_par, per_slot)
+                    self.drafter = "eagle3"
+                else:
+                    self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
+                    self.drafter = "draft"
             elif want_mtp and self.target_model.n_layer_nextn > 0:
-                mtp_ctx = LlamaContext(self.target_model, ctx_config, mtp_of=self.target_lane.ctx)
+                mtp_ctx = LlamaContext(self.target_model, ctx_config, other=self.target_lane.ctx, mtp=True)
                 self.draft_lane, mtp_drafts = mtp_lanes(self.target_lane, mtp_ctx, ids, chunk, n_par, per_slot)
                 self.mtp = True
+                self.drafter = "mtp"
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
             raise
@@ -147,7 +163,7 @@ class Engine:
         self.slots: list[Slot] = []
         for i in range(n_par):
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
-            draft = mtp_drafts[i] if self.mtp else \
+            draft = mtp_drafts[i] if mtp_drafts else \
                 KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
             self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
                                    known_cost=self.known_device_cost))
@@ -204,8 +220,8 @@ class Engine:
         c = self.config
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
                      self.target.batch.capacity]  # the batch size llama.cpp really has
-        if self.mtp:
-            placement.append("mtp")  # the drafter is the target's own head
+        if self.drafter in ("mtp", "eagle3"):
+            placement.append(self.drafter)  # the target's own head, or a draft that reads the target's layers
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 
     def device_cost(self, k_max: int = AUTO_K_MAX, repeats: int = 2, remeasure: bool = False) -> DeviceCost | None:
@@ -269,7 +285,7 @@ class Engine:
             self.learnt.keep_timing(force=True)  # the lanes' live curves, the realised rates: for the next process
         if getattr(self, "_memory", None) is not None:
             self._memory.flush()  # type: ignore[union-attr]
-        for lane in (self.draft_lane, self.target_lane):  # an MTP context reads the target's: it goes first
+        for lane in (self.draft_lane, self.target_lane):  # an MTP or EAGLE-3 context reads the target's: first
             if lane is not None:
                 lane.ctx.close()
         for model in (self.target_model, self.draft_model):

@@ -358,13 +358,16 @@ class Batch:
 class LlamaContext:
     """One inference context (KV cache + compute buffers) over a loaded model.
 
-    With `mtp_of` (the target's context), it is the model's MTP context
-    (llama.cpp's LLAMA_CONTEXT_TYPE_MTP): it runs only the NextN layers, on
-    rows that carry a hidden state beside their token (backends.llama_ext).
+    With `other` (the target's context, llama.cpp's ctx_other) it is a drafter
+    that reads the target: with `mtp`, the target model's MTP context
+    (LLAMA_CONTEXT_TYPE_MTP), which runs only the NextN layers on rows that
+    carry a hidden state beside their token (backends.mtp); without, an EAGLE-3
+    draft's (default type), which may borrow the target's token embeddings and
+    output head (backends.eagle3; src/models/eagle3.cpp:165-171, 298-304).
     """
 
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig(),
-                 mtp_of: "LlamaContext | None" = None) -> None:
+                 other: "LlamaContext | None" = None, mtp: bool = False) -> None:
         self.model = model
         self.config = config
         params = llama_cpp.llama_context_default_params()
@@ -377,12 +380,13 @@ class LlamaContext:
         threads = config.n_threads or default_threads()
         params.n_threads = threads
         params.n_threads_batch = threads
-        if mtp_of is not None:
+        if other is not None:
+            params.ctx_other = other.ptr
+        if mtp:
             params.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
-            params.ctx_other = mtp_of.ptr
         ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ptr:
-            what = "an MTP context" if mtp_of is not None else "a context"
+            what = "an MTP context" if mtp else "a context"
             raise ModelError(f"{model.path}: llama.cpp could not create {what} of {config.n_ctx} tokens")
         self._ptr = ptr
         if model.rpc:

@@ -3,7 +3,7 @@
 
 llama.cpp 0c1e570 (vendored in llama-cpp-python 0.3.36) runs a model's MTP
 head in a context of its own (LLAMA_CONTEXT_TYPE_MTP, backends.llama's
-`LlamaContext(mtp_of=...)`), whose rows carry a token *and* a hidden state of
+`LlamaContext(other=target, mtp=True)`), whose rows carry a token *and* a hidden state of
 the target: common/speculative.cpp's `common_speculative_impl_draft_mtp`
 fills them through `common_batch` (common/common.cpp, `get_sub_batch`) with
 `llama_batch_ext_add_token`, `llama_batch_ext_set_pos`,
@@ -16,6 +16,21 @@ Two readings of the hidden rows, as llama.cpp sets them (`llama_set_embeddings_n
     were asked or not (a prompt chunk's rows too), indexed by batch row;
   - the MTP context, masked: rows only for the batch rows that asked for
     logits, read by batch row (llama.cpp resolves it to its output row).
+
+An EAGLE-3 draft (backends.eagle3, docs/eagle3-protocol.md) reads the *inputs*
+of three target layers. src/llama-ext.h declares the functions it needs
+without `extern "C"`, and llama-cpp-python 0.3.36 wraps none of them, so they
+are bound here by their C, Itanium and MSVC names in turn, as
+llama_cpp/llama_cpp_ext.py binds its own (`_ctypes_function_from_names`):
+`llama_set_embeddings_layer_inp` / `llama_get_embeddings_layer_inp` (one row
+per batch row, src/llama-context.cpp:2151-2153, 2278-2308) and
+`llama_model_target_layer_ids[_n]`. An id equal to the target's n_layer names
+its final pre-norm state, the nextn rows (common/speculative.cpp:541-549).
+The draft's encoder runs as `common_speculative_impl_draft_eagle3::process`
+runs it (:645-671): rows of width 3 x n_embd_target added with
+`llama_batch_ext_add_embd`, `llama_process(ctx, LLAMA_PROCESS_TYPE_ENCODE)`
+in chunks of n_ubatch (the encoder takes no more, src/llama-context.cpp:1503),
+its output read with `llama_get_embeddings_nextn` (`EncodeBatch`).
 """
 
 from __future__ import annotations
@@ -29,9 +44,72 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from backends.errors import DecodeError
-from backends.llama import LlamaContext
+from backends.llama import LlamaContext, LlamaModel
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
+
+
+def _bind(names: tuple[str, ...], argtypes: list, restype: object):
+    """A function of src/llama-ext.h under the first of its names libllama exports (C, Itanium, MSVC)."""
+    lib = llama_cpp.llama_cpp._lib
+    for name in names:
+        f = getattr(lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = argtypes, restype
+            return f
+    raise AttributeError(f"libllama exports none of {', '.join(names)}")
+
+
+_CTX, _MODEL = llama_cpp.llama_context_p_ctypes, llama_cpp.llama_model_p_ctypes
+_set_layer_inp = _bind(("llama_set_embeddings_layer_inp", "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+                        "?llama_set_embeddings_layer_inp@@YAXPEAUllama_context@@I_N@Z"),
+                       [_CTX, ctypes.c_uint32, ctypes.c_bool], None)
+_get_layer_inp = _bind(("llama_get_embeddings_layer_inp", "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+                        "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z"),
+                       [_CTX, ctypes.c_uint32], _FLOAT_P)
+_target_layer_ids = _bind(("llama_model_target_layer_ids", "_Z28llama_model_target_layer_idsPK11llama_model",
+                           "?llama_model_target_layer_ids@@YAPEBHPEBUllama_model@@@Z"),
+                          [_MODEL], ctypes.POINTER(ctypes.c_int32))
+_target_layer_ids_n = _bind(("llama_model_target_layer_ids_n", "_Z30llama_model_target_layer_ids_nPK11llama_model",
+                             "?llama_model_target_layer_ids_n@@YAIPEBUllama_model@@@Z"),
+                            [_MODEL], ctypes.c_uint32)
+
+
+def target_layer_ids(model: LlamaModel) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 draft reads, as llama.cpp loaded them (() for any other model)."""
+    n = int(_target_layer_ids_n(model.ptr))
+    ids = _target_layer_ids(model.ptr) if n else None
+    return tuple(int(ids[i]) for i in range(n)) if ids else ()
+
+
+def n_layer(model: LlamaModel) -> int:
+    """The model's layers, as llama.cpp counts them (llama_model_n_layer)."""
+    return int(llama_cpp.llama_model_n_layer(model.ptr))
+
+
+def enable_layer_inputs(ctx: LlamaContext, ids: Sequence[int]) -> None:
+    """Have `ctx` output the input rows of these layers from its next decode on, one per batch row; an id equal
+    to the model's n_layer is its final pre-norm state (the unmasked nextn rows). Ids beyond are refused
+    (llama.cpp would abort)."""
+    top = n_layer(ctx.model)
+    for lid in ids:
+        if not 0 <= lid <= top:
+            raise ValueError(f"layer {lid} is not in 0..{top}")
+        if lid < top:
+            _set_layer_inp(ctx.ptr, lid, True)
+        else:
+            enable_hidden(ctx, masked=False)
+
+
+def layer_input_rows(ctx: LlamaContext, lid: int, n_rows: int) -> np.ndarray:
+    """The input rows of layer `lid` in the last decode of `ctx` (one per batch row): a view, valid until the
+    next decode."""
+    if lid == n_layer(ctx.model):
+        return hidden_rows(ctx, n_rows)
+    ptr = _get_layer_inp(ctx.ptr, lid)
+    if not ptr:
+        raise DecodeError(f"the context has no input rows of layer {lid} (llama_get_embeddings_layer_inp)")
+    return np.ctypeslib.as_array(ptr, shape=(n_rows, ctx.model.n_embd))
 
 
 def enable_hidden(ctx: LlamaContext, masked: bool) -> None:
@@ -105,6 +183,56 @@ class HiddenBatch:
         if rc != 0:
             raise DecodeError(f"llama_process failed with code {rc} (MTP batch of {self.n_rows} rows)")
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if getattr(self, "_b", None):
+            llama_cpp.llama_batch_ext_free(self._b)
+            self._b = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class EncodeBatch:
+    """An EAGLE-3 draft's encoder: rows of the target's layer inputs (3 x n_embd_target wide) in, one g row
+    (the draft's n_embd) out each, by `llama_process(ctx, LLAMA_PROCESS_TYPE_ENCODE)` in chunks of n_ubatch.
+    No KV cell is written; the positions are placeholders, after what sequence 0 holds (llama.cpp checks them
+    against its cells as a decode's: common/speculative.cpp:653-660)."""
+
+    def __init__(self, ctx: LlamaContext, width: int) -> None:
+        self.ctx, self.width, self.n_embd = ctx, width, ctx.model.n_embd
+        self.chunk = int(llama_cpp.llama_n_ubatch(ctx.ptr))
+        self._b = llama_cpp.llama_batch_ext_init(ctx.ptr)
+        if not self._b:
+            raise DecodeError("llama.cpp could not make an extended batch for the EAGLE-3 encoder")
+        self._pos = (llama_cpp.llama_pos * 4)()
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """g for each row of `features` (float32, n x width): a new array, n x n_embd."""
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        n = len(features)
+        out = np.empty((n, self.n_embd), dtype=np.float32)
+        b, pos, base, stride = self._b, self._pos, features.ctypes.data, self.width * 4
+        for start in range(0, n, self.chunk):
+            k = min(self.chunk, n - start)
+            llama_cpp.llama_batch_ext_clear(b)
+            first = self.ctx.pos_max(0) + 1
+            for j in range(k):
+                embd = llama_cpp.llama_embd(ctypes.cast(base + (start + j) * stride, _FLOAT_P), 1, self.width)
+                idx = llama_cpp.llama_batch_ext_add_embd(b, 0, embd)  # copies the row
+                if idx != j:
+                    raise DecodeError(f"llama_batch_ext_add_embd failed ({idx})")
+                pos[0] = first + j
+                llama_cpp.llama_batch_ext_set_pos(b, idx, pos)
+                llama_cpp.llama_batch_ext_set_output_logits(b, idx, True)
+            rc = llama_cpp.llama_process(self.ctx.ptr, llama_cpp.LLAMA_PROCESS_TYPE_ENCODE, b)
+            if rc != 0:
+                raise DecodeError(f"llama_process failed with code {rc} (EAGLE-3 encoder, {k} rows)")
+            ptr = llama_cpp_ext.llama_get_embeddings_nextn(self.ctx.ptr)
+            if not ptr:
+                raise DecodeError("the EAGLE-3 encoder gave no rows (llama_get_embeddings_nextn)")
+            out[start:start + k] = np.ctypeslib.as_array(ptr, shape=(k, self.n_embd))
+        return out
 
     def close(self) -> None:
         if getattr(self, "_b", None):

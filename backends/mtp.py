@@ -28,6 +28,15 @@ A hidden state the stash lacks (cells restored from a cache the target did
 not decode in this process) is read as zeros, as llama.cpp starts its own
 `pending_h`: drafts degrade there, never the output, which verification keeps
 lossless.
+
+An EAGLE-3 draft (backends.eagle3) is this mechanism with another hidden
+source: its row for token p is (t_p, g_{p-1}), g an encoding of three target
+layers, so it subclasses MtpSequence and MtpLane through three small hooks
+here: `HiddenStash.owns`/`keep` (a feed that builds its rows only for the
+slot that owns them), `MtpLane._hidden` and `_passes` (the lane turns entries
+into hidden rows and decodes them: EAGLE-3 encodes there, and decodes the rows
+that want no output before those that do) and a catch-up chunk that may have
+no rows (EAGLE-3 has none for the first token).
 """
 
 from __future__ import annotations
@@ -43,6 +52,12 @@ from backends.llama_ext import HiddenBatch, enable_hidden, hidden_row, hidden_ro
 from backends.steps import Decode, Entry, Rows
 
 
+# Rows of the target's states the head has read that its stash keeps behind the last: a next context that leaves
+# the head's record a few tokens before its end (a chat template that ends the answer otherwise than it was
+# generated) finds the state its first new row pairs with, which the target, keeping its cells, decodes no more.
+KEEP_BEHIND = 8
+
+
 class HiddenStash:
     """The target's hidden rows of one slot (sequence ids base .. base + n_ids - 1), by (position, token),
     until its head has read them. Bounded: past `cap` rows (a strategy that never drafts), the lowest
@@ -53,12 +68,18 @@ class HiddenStash:
         self.rows: dict[tuple[int, int], np.ndarray] = {}
         self._zeros = np.zeros(n_embd, dtype=np.float32)
 
+    def owns(self, entries: Sequence[Entry]) -> bool:
+        """Whether a request's `entries` are this slot's (a request's entries are all one sequence's)."""
+        return bool(entries) and self.lo <= entries[0][2][0] < self.hi
+
     def take(self, entries: Sequence[Entry], rows: Sequence[int], hidden: np.ndarray) -> None:
         """Keep the hidden rows of `entries` (decoded at `rows` of a batch whose rows are `hidden`) if they are
-        this slot's (a request's entries are all one sequence's)."""
-        if not entries or not self.lo <= entries[0][2][0] < self.hi:
-            return
-        copied = hidden[np.asarray(rows)]  # one copy of the request's rows; the dict keeps views of it
+        this slot's."""
+        if self.owns(entries):
+            self.keep(entries, hidden[np.asarray(rows)])  # one copy of the request's rows
+
+    def keep(self, entries: Sequence[Entry], copied: np.ndarray) -> None:
+        """Keep `copied[i]` as the row of `entries[i]` (the dict keeps views of `copied`)."""
         for i, e in enumerate(entries):
             self.rows[(e[1], e[0])] = copied[i]
         if len(self.rows) > self.cap:
@@ -72,8 +93,10 @@ class HiddenStash:
         return self._zeros
 
     def drop_below(self, pos: int) -> None:
-        """Forget the rows of positions below `pos` (the head has read them)."""
-        self.rows = {k: v for k, v in self.rows.items() if k[0] >= pos}
+        """Forget the rows of positions below `pos` (the head has read them), but position 0's: the first token's
+        state depends on no other, so a request that shares only it with the last (a new prompt after the
+        same BOS) pairs its row 1 with it, though the target keeps its cell and decodes it no more."""
+        self.rows = {k: v for k, v in self.rows.items() if k[0] >= pos or k[0] == 0}
 
     def clear(self) -> None:
         self.rows.clear()
@@ -105,19 +128,43 @@ class MtpLane(Lane):
         super().__init__(ctx, ids_per_token, chunk)
         self.hidden_batch = HiddenBatch(ctx)
         self._zeros = np.zeros(ctx.model.n_embd, dtype=np.float32)
+        self.prepare_seconds = 0.0  # what making the last decode's hidden rows took in llama.cpp (EAGLE-3)
+
+    def _hidden(self, flat: Sequence[Entry]) -> np.ndarray:
+        """The hidden row each entry is decoded with, stacked (zeros where it has none)."""
+        if not flat:
+            return np.zeros((0, self._zeros.size), dtype=np.float32)
+        return np.stack([e[4] if len(e) > 4 and e[4] is not None else self._zeros for e in flat])
+
+    def _passes(self, requests: Sequence[Sequence[Entry]]) -> list[tuple[list[int], list[Entry]]] | None:
+        """The decodes the requests' entries go in, in order: each the indices of its entries among all, and the
+        (token, position, ids, wants logits) it decodes them as. None: one decode, as they come (EAGLE-3 may
+        split)."""
+        return None
 
     def decode(self, requests: Sequence[Sequence[Entry]]) -> list[list[int]]:
         flat = [e for entries in requests for e in entries]
-        hidden = np.stack([e[4] if len(e) > 4 and e[4] is not None else self._zeros for e in flat]) if flat \
-            else np.zeros((0, self._zeros.size), dtype=np.float32)
-        self.hidden_batch.fill([e[:4] for e in flat], hidden)
-        seconds = self.hidden_batch.process()
+        self.prepare_seconds = 0.0
+        hidden = self._hidden(flat)
+        passes = self._passes(requests)
+        if passes is None:
+            self.hidden_batch.fill([e[:4] for e in flat], hidden)
+            seconds = self.hidden_batch.process()
+            at: Sequence[int] = range(len(flat))
+        else:
+            seconds, at = 0.0, [0] * len(flat)  # each entry's row in the batch of its pass (the last one's count)
+            for idx, rows in passes:
+                self.hidden_batch.fill(rows, hidden[np.asarray(idx, dtype=np.intp)])
+                seconds += self.hidden_batch.process()
+                for row, i in enumerate(idx):
+                    at[i] = row
+        seconds += self.prepare_seconds  # with EAGLE-3's encoder, when it ran
         self.last_rows = n = len(flat)
         if n and all(e[3] for e in flat):
             self.live.observe(n, seconds)
         out, i = [], 0
         for entries in requests:
-            out.append(list(range(i, i + len(entries))))
+            out.append(list(at[i:i + len(entries)]))
             i += len(entries)
         return out
 
@@ -169,12 +216,13 @@ class MtpSequence(KvSequence):
         for start in range(keep, stop, self.lane.chunk):
             end = min(stop, start + self.lane.chunk)
             entries = self._catch_up(tokens, start, end)
-            if logits and end == stop:
+            if logits and end == stop and entries:
                 entries[-1] = entries[-1][:3] + (True,) + entries[-1][4:]
-            rows = yield Decode(self.lane, entries)
+            if entries:  # EAGLE-3 has no row for the first token
+                rows = yield Decode(self.lane, entries)
             self.tokens.extend(tokens[start:end])
         self.paired = len(self.tokens)
-        self.stash.drop_below(self.paired - 1)
+        self.stash.drop_below(self.paired - KEEP_BEHIND)
         if logits and rows:
             self.rows, self.last_row = rows, rows[-1]
             self._last_hidden = hidden_row(self.ctx, self.last_row).copy()

@@ -115,8 +115,11 @@ def write_eagle3_pair(
     seed: int = 0,
     model: Eagle3Pair = Eagle3Pair(),
     vocab: Vocab | None = None,
+    draft_layers: tuple[int, ...] | None = None,
 ) -> None:
-    """Write a llama target GGUF and an `eagle3` draft GGUF for it (same tokenizer)."""
+    """Write a llama target GGUF and an `eagle3` draft GGUF for it (same tokenizer). `draft_layers` overrides the
+    draft's `eagle3.target_layers` key alone (a draft that names other layers than it was built for: for tests
+    of its refusal)."""
     m = model
     vocab = vocab or spm_vocab()
     rng = np.random.default_rng(seed)
@@ -156,7 +159,8 @@ def write_eagle3_pair(
     w = gguf.GGUFWriter(str(draft_path), EAGLE3_ARCH)
     w.add_name("tiny-eagle3-draft")
     _add_shape(w, m, 1)
-    w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(i) for i in m.target_layers])  # INT32 array
+    layers = m.target_layers if draft_layers is None else draft_layers
+    w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(i) for i in layers])  # INT32 array
     w.add_uint32(f"{EAGLE3_ARCH}.target_hidden_size", d)
     w.add_bool(f"{EAGLE3_ARCH}.norm_before_residual", m.norm_before_residual)
     add_vocab(w, vocab)  # the target's tokenizer, as convert_hf_to_gguf.py writes it for a draft
