@@ -43,12 +43,13 @@ from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.strategies.base import Remembering, Strategy
 from models.compat import require_compatible
-from models.drafters import mtp_heads
+from models.drafters import RS_ROLLBACK_ARCHITECTURES, mtp_heads
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
 from models.paths import data_dir
 
 COST_CACHE_FILE = "device-cost.json"
+RS_SNAPSHOTS = AUTO_K_MAX + 1  # a recurrent state's snapshots: a rejected chain of auto's longest is undone
 LEARNT_FILE = "learnt.json"  # beside the cost cache: what strategies learnt (auto's acceptance estimates)
 
 
@@ -112,7 +113,12 @@ class Engine:
         ctx_config = ContextConfig(n_ctx=config.n_ctx * n_par, n_batch=config.n_batch, n_threads=config.threads)
         # llama.cpp aborts when a context has more sequences than batch rows (n_outputs_max): never ask it to.
         ids = max(1, min(config.n_seq_max, config.n_batch // n_par, config.n_ctx))
-        ctx_config = replace(ctx_config, n_seq_max=ids * n_par)
+        # A recurrent target (Qwen3.5/3.6, ...) is cut back from per-token snapshots of its state, enough for the
+        # longest chain `auto` verifies, and runs one sequence id per slot (models.drafters).
+        recurrent = self.target_info.architecture in RS_ROLLBACK_ARCHITECTURES
+        if recurrent:
+            ids = 1
+        ctx_config = replace(ctx_config, n_seq_max=ids * n_par, n_rs_seq=RS_SNAPSHOTS if recurrent else 0)
         self.target_model: LlamaModel = None  # type: ignore[assignment]  # set below, or there is no engine
         self.draft_model: LlamaModel | None = None
         self.target_lane: Lane = None  # type: ignore[assignment]
@@ -133,6 +139,8 @@ class Engine:
             per_slot = self.target_lane.ctx.n_ctx // n_par  # llama.cpp may round the context up
             if config.draft is not None:
                 self.draft_model = LlamaModel(config.draft, config.n_gpu_layers_draft, info=draft_info)
+                ctx_config = replace(ctx_config, n_rs_seq=RS_SNAPSHOTS if draft_info is not None
+                                     and draft_info.architecture in RS_ROLLBACK_ARCHITECTURES else 0)
                 if draft_info is not None and draft_info.architecture == "eagle3":
                     self.draft_lane, mtp_drafts = eagle3_lanes(self.target_lane, self.draft_model, ctx_config, ids,
                                                                chunk, n_par, per_slot)
@@ -141,7 +149,8 @@ class Engine:
                     self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
                     self.drafter = "draft"
             elif want_mtp and self.target_model.n_layer_nextn > 0:
-                mtp_ctx = LlamaContext(self.target_model, ctx_config, other=self.target_lane.ctx, mtp=True)
+                mtp_ctx = LlamaContext(self.target_model, replace(ctx_config, n_rs_seq=0), other=self.target_lane.ctx,
+                                       mtp=True)  # the head's cache is attention only
                 self.draft_lane, mtp_drafts = mtp_lanes(self.target_lane, mtp_ctx, ids, chunk, n_par, per_slot)
                 self.mtp = True
                 self.drafter = "mtp"

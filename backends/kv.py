@@ -2,10 +2,11 @@
 
 One mechanism serves prefill, multi-turn reuse and speculative rollback:
 `sync(tokens)` keeps the longest common prefix already in the cache, removes
-the rest (`llama_memory_seq_rm`) and decodes only what is missing. Rollback
-refuses loudly when llama.cpp cannot remove part of a sequence (recurrent
-models, or a sliding-window cache without `swa_full`), because continuing
-would decode on a corrupt cache.
+the rest (`llama_memory_seq_rm`) and decodes only what is missing. Where
+llama.cpp cannot remove part of a sequence (a recurrent state past its last
+n_rs_seq snapshots, a sliding-window cache without `swa_full`), `sync`
+decodes the whole prompt again, and speculative rollback refuses loudly,
+because continuing would decode on a corrupt cache.
 
 Many sequences share one context (continuous batching, backends.scheduler):
 a `Lane` is a context with the one batch every decode on it is packed into,
@@ -191,7 +192,7 @@ class KvSequence:
         keep = common_prefix(self.tokens, tokens)
         if logits and keep == len(tokens):
             keep -= 1
-        self.truncate(keep)
+        keep = self._cut(keep)
         yield from self.extending(tokens[keep:], "last" if logits else "none")
         return keep
 
@@ -252,8 +253,20 @@ class KvSequence:
         self.drop_cells_from(n)
         del self.tokens[n:]
 
+    def _cut(self, n: int) -> int:
+        """Forget the tokens from position n on where llama.cpp can cut there, else everything (a recurrent
+        state keeps no history but its last few snapshots, llama.cpp's n_rs_seq; a sliding window without
+        swa_full forgets the start): how many tokens are kept. For a prefix that is decoded again anyway."""
+        if n >= len(self.tokens):
+            return len(self.tokens)
+        if self._rm_from(n) and self.ctx.pos_max(self.base) >= n - 1:
+            del self.tokens[n:]
+            return n
+        self.reset()
+        return 0
+
     def _rm_from(self, pos: int) -> bool:
-        if self.alone:
+        if self.alone and self._hi > 1:  # -1: every id in one pass (a recurrent state is cut only by its own id)
             return self.ctx.seq_rm(-1, pos, -1)
         ok = True
         for s in range(self._hi):

@@ -30,38 +30,10 @@ import llama_cpp
 import numpy as np
 
 from backends.errors import DecodeError
-from backends.llama_process import ensure_backend, ggml
+from backends.llama_process import ensure_backend, ggml, use_extra_buffer_types
 from backends.llama_rpc import check_rpc_memory, rpc_model_devices, rpc_timeouts_meanwhile, set_rpc_timeouts
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_int8" in f.read()
-    except OSError:
-        return False
-
-
-def _build_has_amx() -> bool:
-    return b"AMX_INT8 = 1" in (llama_cpp.llama_print_system_info() or b"")
-
-
-def _use_extra_buffer_types() -> bool:
-    """Whether llama.cpp may place weights in its "extra" CPU buffer types (repacked layouts, AMX).
-
-    llama.cpp 0.3.36's AMX matrix kernels segfault (ggml_backend_amx_mul_mat)
-    on K-quant models such as Gemma 3 Q4_K_M. A native build on a CPU with AMX
-    compiles them in; there, extra buffer types are turned off and the plain
-    AVX-512 kernels run (slower on K-quants than the repacked ones). Building
-    without AMX (README: "Building for your hardware") avoids both problems.
-    SPECCHAT_EXTRA_BUFTS=1 / =0 forces the choice.
-    """
-    forced = os.environ.get("SPECCHAT_EXTRA_BUFTS")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return not (_cpu_has_amx() and _build_has_amx())
 
 
 def build_info() -> str:
@@ -107,7 +79,7 @@ class LlamaModel:
         ensure_backend()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_extra_bufts = _use_extra_buffer_types()
+        params.use_extra_bufts = use_extra_buffer_types()
         params.load_mtp = load_mtp
         self._devices: ctypes.Array | None = None  # the NULL-terminated list llama.cpp reads at load
         self.devices: tuple[str, ...] = ()  # names of the devices offered for the offloaded layers (RPC)
@@ -310,6 +282,7 @@ class ContextConfig:
     kv_unified: bool = True
     swa_full: bool = True
     n_threads: int | None = None
+    n_rs_seq: int = 0  # recurrent-state snapshots per sequence: how far back a recurrent cache can be cut
 
 
 class Batch:
@@ -377,6 +350,7 @@ class LlamaContext:
         params.n_seq_max = config.n_seq_max
         params.kv_unified = config.kv_unified
         params.swa_full = config.swa_full
+        params.n_rs_seq = config.n_rs_seq
         threads = config.n_threads or default_threads()
         params.n_threads = threads
         params.n_threads_batch = threads

@@ -205,3 +205,31 @@ def fatal_exit(line: str) -> NoReturn:
         pass
     os.write(2, f"specchat: error: {line}\n".encode("utf-8", errors="replace"))
     os._exit(FATAL_EXIT_CODE)
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in f.read()
+    except OSError:
+        return False
+
+
+def _build_has_amx() -> bool:
+    return b"AMX_INT8 = 1" in (llama_cpp.llama_print_system_info() or b"")
+
+
+def use_extra_buffer_types() -> bool:
+    """Whether llama.cpp may place weights in its "extra" CPU buffer types (repacked layouts, AMX).
+
+    llama.cpp 0.3.36's AMX matrix kernels segfault (ggml_backend_amx_mul_mat)
+    on K-quant models such as Gemma 3 Q4_K_M. A native build on a CPU with AMX
+    compiles them in; there, extra buffer types are turned off and the plain
+    AVX-512 kernels run (slower on K-quants than the repacked ones). Building
+    without AMX (README: "Building for your hardware") avoids both problems.
+    SPECCHAT_EXTRA_BUFTS=1 / =0 forces the choice.
+    """
+    forced = os.environ.get("SPECCHAT_EXTRA_BUFTS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not (_cpu_has_amx() and _build_has_amx())

@@ -31,7 +31,7 @@ also observed, as the speculation memory records finished answers) all use it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Generator, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Generator, Iterable, Iterator, Optional, Union
 
 from backends.errors import DecodeError
 from backends.events import Event

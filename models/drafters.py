@@ -57,3 +57,14 @@ def describe_drafters(info: GGUFInfo) -> str:
     if info.nextn_layers:
         return f"MTP heads: {info.nextn_layers} (drafts without a draft model)"
     return "none"
+
+
+# Architectures whose memory keeps a recurrent state (or another state without per-position cells) that llama.cpp
+# 0.3.36 can roll back only from per-token snapshots, n_rs_seq of them per sequence (src/llama-arch.cpp,
+# llm_arch_supports_rs_rollback): Qwen3.5/3.6's gated delta-net layers, Nemotron-H, LFM2, ... Speculation on
+# them needs the snapshots (a rejected draft is undone from one), and one sequence id per slot: a state is
+# copied whole between ids, so trees and lookahead's window would multiply it.
+RS_ROLLBACK_ARCHITECTURES = frozenset({
+    "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
+    "lfm2", "lfm2moe", "bailingmoe3",
+})

@@ -179,3 +179,35 @@ def test_a_mixed_batch_with_the_head_gives_each_request_its_text_alone(mtp_files
     finally:
         engine.close()
         alone.close()
+
+
+@pytest.fixture(scope="module")
+def qwen35_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Qwen3.5's layout (tests/qwen35_factory.py): a recurrent trunk (gated delta-net) and an MTP head."""
+    from qwen35_factory import Qwen35Model, write_qwen35_mtp_target
+
+    d = tmp_path_factory.mktemp("qwen35")
+    return (write_qwen35_mtp_target(d / "agreeing.gguf", Qwen35Model(residual=0.1, head_noise=0.1)),
+            write_qwen35_mtp_target(d / "random.gguf", Qwen35Model(residual=1.0, head_noise=1.0, seed=3)))
+
+
+def test_a_recurrent_target_speculates_from_its_state_snapshots(qwen35_files: tuple[Path, Path]) -> None:
+    """Qwen3.5/3.6 keep a recurrent state that llama.cpp cuts back only from per-token snapshots (n_rs_seq):
+    rejected drafts are undone from them, so sps and auto with the model's own head give ar's tokens; and a
+    later prompt that shares only part of what the cache holds decodes again from the start instead of
+    failing (a state has no history to cut back to)."""
+    for path in qwen35_files:
+        engine = _engine(path)
+        try:
+            assert engine.mtp and engine.target.n_seq_max == 1
+            rejected = 0
+            for prompt in PROMPTS:
+                params = GenParams(max_tokens=40, temperature=0.0)
+                want = run_to_done(engine, "ar", prompt, params).tokens
+                for strategy in ("sps", "auto", "ar"):
+                    done = run_to_done(engine, strategy, prompt, params, SPS)
+                    assert done.tokens == want, f"{strategy} on {path.name} differs from ar"
+                    rejected += done.stats.drafted - done.stats.accepted
+            assert rejected > 0, "drafts were rejected and rolled back"
+        finally:
+            engine.close()

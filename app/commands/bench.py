@@ -67,7 +67,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
-    if args.model_draft is None:
+    if args.model_draft is None and not settings.mtp:  # else the target's own MTP head may draft: known once loaded
         names = [n for n in names if n not in NEEDS_DRAFT]
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
@@ -85,6 +85,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     n_seq = max(n_seq_needed(c.strategy, c.options) for c in configs)
     engine = open_engine(settings, n_seq, print_progress)
     target, draft = engine.config.target, engine.config.draft
+    if engine.draft is None:
+        configs = [c for c in configs if c.strategy not in NEEDS_DRAFT]
     try:
         tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
         cost, draft_cost = (None, 0.0)
@@ -118,7 +120,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         print("\n" + "\n".join(mismatches))
     if cost:
         curve = " ".join(f"{v:.2f}" for v in report["batch_cost"][:16])
-        print(f"\nbatch cost T(k)/T(1), k=1..: {curve}" + (f"; one draft token = {draft_cost:.2f} target tokens" if draft else ""))
+        print(f"\nbatch cost T(k)/T(1), k=1..: {curve}" + (f"; one draft token = {draft_cost:.2f} target tokens" if draft_cost else ""))
         print("limit: the speedup llama.cpp's decode times alone allow at each run's tokens per forward (median)")
     for row in rows:
         if row["strategy"] == "auto":
@@ -183,6 +185,8 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
                          f"({min(max_sequences(), settings.n_batch)}); use fewer clients or a smaller -W/-G/tree")
     engine = open_engine(settings, n_seq, print_progress, n_parallel=parallel)
     target, draft = engine.config.target, engine.config.draft
+    if engine.draft is None:
+        configs = [c for c in configs if c.strategy not in NEEDS_DRAFT]
     try:
         tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
         if args.requests is not None:  # the prompts in turn, N requests in all
