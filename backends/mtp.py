@@ -181,6 +181,9 @@ class MtpSequence(KvSequence):
         self.paired = 0  # the leading cells decoded with the target's hidden states
         self.missing = 0  # rows decoded with zeros for want of the target's state (restored cells)
         self._last_hidden: np.ndarray | None = None  # the head's own hidden output at its last row
+        # A tree's scratch sequences: the head's hidden output at each one's last row, which its next node is
+        # paired with (a node's parent is the row before it on its sequence's path).
+        self._tips: dict[int, np.ndarray] = {}
 
     def _catch_up(self, tokens: Sequence[int], start: int, stop: int) -> list[tuple]:
         """The rows (x_p, h_{p-1}) for positions start .. stop-1, each with the target's state, zeros where the
@@ -247,11 +250,34 @@ class MtpSequence(KvSequence):
             self._last_hidden = hidden_row(self.ctx, self.last_row).copy()
         return rows
 
+    def _tip(self, seq: int) -> np.ndarray | None:
+        return self._last_hidden if seq == 0 else self._tips.get(seq)
+
     def decoding(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> Rows:
-        """Rows after what the head holds, each paired with the head's hidden output at its last row."""
-        h = self._last_hidden
-        rows = yield Decode(self.lane, [(tok, pos, self._ids(seqs), want, h) for tok, pos, seqs, want in entries])
+        """A tree's nodes after what the head holds, each on its own sequence and paired with the head's hidden
+        output at that sequence's last row (its parent's), as EAGLE-2 feeds each node its parent's feature."""
+        entries = [(tok, pos, tuple(seqs), want) for tok, pos, seqs, want in entries]
+        rows = yield Decode(self.lane, [(tok, pos, self._ids(seqs), want, self._tip(seqs[0]))
+                                        for tok, pos, seqs, want in entries])
+        for (_, _, seqs, want), row in zip(entries, rows):
+            if want:
+                h = hidden_row(self.ctx, row).copy()
+                for seq in seqs:
+                    if seq == 0:
+                        self._last_hidden = h
+                    else:
+                        self._tips[seq] = h
         return rows
+
+    def fork(self, src: int, dst: int) -> None:
+        super().fork(src, dst)
+        tip = self._tip(src)
+        if tip is not None:
+            self._tips[dst] = tip
+
+    def drop_seq(self, seq: int) -> None:
+        super().drop_seq(seq)
+        self._tips.pop(seq, None)
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -280,6 +306,7 @@ class MtpSequence(KvSequence):
         super().reset()
         self.paired = 0
         self._last_hidden = None
+        self._tips.clear()
         self.stash.clear()
 
 
