@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.config import StrategyOptions
+from backends.config import StrategyOptions, TreeConfig
 from backends.engine import Engine, EngineConfig
 from backends.events import Token
 from backends.mtp import MtpSequence
@@ -130,13 +130,16 @@ def test_the_heads_cells_follow_the_accepted_text(agreeing: Engine) -> None:
     assert draft.cells() == 0 and agreeing.target.cells() == 0 and not draft.stash.rows
 
 
-def test_sampling_keeps_the_targets_law(mtp_files: MtpFiles) -> None:
-    engine = _engine(mtp_files.small)
+@pytest.mark.parametrize("strategy", ["sps", "tree"])
+def test_sampling_keeps_the_targets_law(mtp_files: MtpFiles, strategy: str) -> None:
+    """Chains and trees of the head's drafts, rejection-sampled: the first two tokens' law is the target's."""
+    engine = _engine(mtp_files.small, n_seq_max=16)
     try:
         prompt = [1, 4, 6, 8]
         params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         law = target_law(engine, prompt, params)
-        counts, accepted = empirical(engine, "sps", prompt, params, 3000, SPS)
+        options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
+        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
         assert accepted > 100, "the head's drafts must be accepted often enough to test the accepting path"
         p_value = fits_law(counts, law)
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
