@@ -115,7 +115,7 @@ class Engine:
         ids = max(1, min(config.n_seq_max, config.n_batch // n_par, config.n_ctx))
         # A recurrent target (Qwen3.5/3.6, ...) is cut back from per-token snapshots of its state, enough for the
         # longest chain `auto` verifies, and runs one sequence id per slot (models.drafters).
-        recurrent = self.target_info.architecture in RS_ROLLBACK_ARCHITECTURES
+        self.recurrent = recurrent = self.target_info.architecture in RS_ROLLBACK_ARCHITECTURES
         if recurrent:
             ids = 1
         ctx_config = replace(ctx_config, n_seq_max=ids * n_par, n_rs_seq=RS_SNAPSHOTS if recurrent else 0)
@@ -125,7 +125,6 @@ class Engine:
         self.draft_lane: Lane | None = None
         # The target's own MTP head drafts when the file has one, its graph runs in llama.cpp and no draft is given.
         want_mtp = config.mtp and config.draft is None and mtp_heads(self.target_info) > 0
-        self.mtp = False
         # Who drafts: "draft" (a draft model), "mtp" (the target's own head), "eagle3" (an EAGLE-3 draft), or None.
         self.drafter: str | None = None
         mtp_drafts: list[MtpSequence] = []  # the MTP head's or the EAGLE-3 draft's sequences, one per slot
@@ -152,7 +151,6 @@ class Engine:
                 mtp_ctx = LlamaContext(self.target_model, replace(ctx_config, n_rs_seq=0), other=self.target_lane.ctx,
                                        mtp=True)  # the head's cache is attention only
                 self.draft_lane, mtp_drafts = mtp_lanes(self.target_lane, mtp_ctx, ids, chunk, n_par, per_slot)
-                self.mtp = True
                 self.drafter = "mtp"
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
@@ -176,6 +174,11 @@ class Engine:
                 KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
             self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
                                    known_cost=self.known_device_cost))
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the target's own MTP head drafts."""
+        return self.drafter == "mtp"
 
     @property
     def target(self) -> KvSequence:
@@ -205,7 +208,14 @@ class Engine:
         """The named strategy on one of this engine's slots (backends.registry). With the speculation memory
         on (and the options not refusing it), what it generates is remembered (Remembering). A thinking model's
         output is split into reasoning and answer where GenParams.reasoning asks (backends.reasoning.Thinking)."""
-        strategy: Strategy = Thinking(spec(name).build(self.slots[slot], options), self.target_model)
+        try:
+            built = spec(name).build(self.slots[slot], options)
+        except ValueError as e:  # too few sequences: on a recurrent target, say why there is one
+            if not self.recurrent:
+                raise
+            raise ModelError(f"{e}: {self.target_info.architecture} keeps a recurrent state, which runs one sequence "
+                             "per request here; use auto, sps, lookup or ar") from None
+        strategy: Strategy = Thinking(built, self.target_model)
         memory = self.memory() if options.memory else None
         return Remembering(strategy, memory) if memory is not None else strategy
 

@@ -27,6 +27,7 @@ from drafter_factory import MtpModel, write_mtp_target
 from engine_helpers import run_to_done
 from gguf_factory import spm_vocab
 from models.drafters import describe_drafters, mtp_heads
+from models.errors import ModelError
 from models.gguf_info import validate_gguf
 from stats_helpers import ALPHA, empirical, fits_law, target_law
 
@@ -212,5 +213,7 @@ def test_a_recurrent_target_speculates_from_its_state_snapshots(qwen35_files: tu
                     assert done.tokens == want, f"{strategy} on {path.name} differs from ar"
                     rejected += done.stats.drafted - done.stats.accepted
             assert rejected > 0, "drafts were rejected and rolled back"
+            with pytest.raises(ModelError, match="recurrent state"):  # a tree needs several sequences: said why
+                engine.strategy("tree")
         finally:
             engine.close()
