@@ -20,9 +20,11 @@ one batch per step (continuous batching, backends.scheduler); more wait in
 arrival order. Each has the whole `-c` context, so the KV cache holds N times
 `-c` cells. What a slot gives up for a new prompt is kept in RAM, up to
 `--cache-ram` MiB, and put back when its conversation returns
-(backends.prompt_cache). Before it listens, the server makes sure the device's batch cost
-curve is known up to the largest batch it may decode (measured once, kept on
-disk), since `auto` prices every row it adds to the batch by it.
+(backends.prompt_cache). `--slot-save-path DIR` turns on llama-server's
+manual slot API (`POST /slots/{id}?action=save|restore|erase`,
+app/serve/slots.py). Before it listens, the server makes sure the device's
+batch cost curve is known up to the largest batch it may decode (measured
+once, kept on disk), since `auto` prices every row it adds to the batch by it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from app.errors import EXIT_OK, EXIT_RUNTIME, UserError, print_error, print_progress
@@ -66,6 +69,9 @@ def add_serve_parser(sub: argparse._SubParsersAction, parser_class: type[argpars
     net.add_argument("-cram", "--cache-ram", type=int, default=PROMPT_CACHE_MIB, metavar="MiB",
                      help=f"RAM for the prompts slots give up, put back when their conversation returns "
                           f"(llama-server's spelling; default: {PROMPT_CACHE_MIB}, 0: off)")
+    net.add_argument("--slot-save-path", default=None, metavar="DIR",
+                     help="folder for the files of POST /slots/{id}?action=save|restore|erase (llama-server's "
+                          "flag; default: off, the endpoint then answers 501)")
     net.add_argument("--host", default=DEFAULT_HOST,
                      help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 picks a free one (default: {DEFAULT_PORT})")
@@ -81,6 +87,16 @@ def _configure_logging() -> None:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _slot_folder(value: str | None) -> Path | None:
+    """--slot-save-path: an existing folder (llama-server refuses anything else at start too)."""
+    if value is None:
+        return None
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"--slot-save-path: not a folder: {value}")
+    return folder
 
 
 def _model_ids(reference: str, target_stem: str) -> tuple[str, ...]:
@@ -102,6 +118,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if args.cache_ram < 0:
         raise UserError(f"--cache-ram must be 0 (off) or more MiB, got {args.cache_ram}")
+    slot_save_path = _slot_folder(args.slot_save_path)
     parallel = args.parallel
     if not 1 <= parallel <= min(max_sequences(), settings.n_batch):
         raise UserError(f"--parallel must be in 1..{min(max_sequences(), settings.n_batch)}, got {parallel}")
@@ -131,6 +148,7 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
             config = ServerConfig(
                 defaults=settings, model_ids=_model_ids(settings.target or "", engine.config.target.stem),
                 api_key=api_key, draft_id=engine.config.draft.stem if engine.config.draft else None,
+                slot_save_path=slot_save_path,
             )
             server = AnnouncingServer(
                 uvicorn.Config(make_app(config, worker), host=args.host, port=args.port, log_level="warning",

@@ -2,6 +2,7 @@
 
 Routes, shaped as OpenAI's API and llama.cpp's `llama-server` shape them:
 `GET /health`, `GET /slots`, `GET /props`, `GET /v1/models`, `POST /tokenize` and `/detokenize`,
+`POST /slots/{id}?action=save|restore|erase` (with `--slot-save-path`, `slots`),
 `POST /v1/chat/completions` (the messages go
 through the model's chat template, `app.prompt_format.PromptFormat.tokens`;
 plain text for a model without one) and `POST /v1/completions` (the prompt
@@ -50,8 +51,9 @@ and `GET /props` say how it thinks.
 
 The package, by concern: `fields` (the error shape and scalar fields),
 `request` (a request's fields, checked), `thinking` (a chat's thinking fields),
-`worker` (the engine's thread and its slots), `responses` (OpenAI's answer
-shapes) and `http` (the Starlette routes and the uvicorn server).
+`worker` (the engine's thread and its slots), `slots` (llama-server's slot
+files), `responses` (OpenAI's answer shapes) and `http` (the Starlette routes
+and the uvicorn server).
 """
 
 from app.serve.http import AnnouncingServer, ServerConfig, make_app

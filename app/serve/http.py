@@ -10,6 +10,7 @@ import socket
 import time
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import uvicorn
@@ -21,6 +22,7 @@ from starlette.routing import Route
 
 from app.settings import Settings
 from app.serve.fields import ApiError, bad
+from app.serve.slots import SlotFiles, slot_action
 from app.serve.request import MAX_BODY_BYTES, Endpoint, GenRequest, parse_request
 from app.serve.thinking import reasoning_info, template_kwargs
 from app.serve.tools import ToolStream, grammar_for
@@ -96,6 +98,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     draft_id: str | None = None
+    slot_save_path: Path | None = None  # --slot-save-path: POST /slots/{id}?action=save|restore|erase
 
 
 class Server:
@@ -108,6 +111,7 @@ class Server:
         self.has_draft = worker.engine.draft is not None
         self.n_seq_max = worker.engine.target.n_seq_max  # what the context really has (the engine clamps it)
         self.started = int(time.time())
+        self.slot_files = SlotFiles(config.slot_save_path, worker) if config.slot_save_path is not None else None
 
     # -- checks ------------------------------------------------------------
 
@@ -162,6 +166,11 @@ class Server:
         """llama-server's GET /slots: what each slot is doing and how much of a prompt it holds."""
         self._authorize(request)
         return JSONResponse(self.worker.pool.slots())
+
+    async def slot_action(self, request: Request) -> Response:
+        """llama-server's POST /slots/{id_slot}?action=save|restore|erase (app.serve.slots)."""
+        self._authorize(request)
+        return await slot_action(self.slot_files, self.worker.parallel, request, lambda: self._json(request))
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -359,6 +368,7 @@ def make_app(config: ServerConfig, worker: EngineWorker) -> Starlette:
             Route("/health", server.health, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/slots", server.slots, methods=["GET"]),
+            Route("/slots/{id_slot}", server.slot_action, methods=["POST"]),
             Route("/props", server.props, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),

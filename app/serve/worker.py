@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any, Callable
 
 
 from app.errors import describe, is_user_error
@@ -85,6 +86,19 @@ def _deliver(batch: list[tuple[Job, object]]) -> None:
         job.events.put_nowait(item)
 
 
+# Put on the queue after a call (EngineWorker.call), so that a worker waiting for a job wakes up to run it.
+_WAKE = object()
+
+
+def _settle(future: "asyncio.Future[Any]", result: object, error: BaseException | None) -> None:
+    if future.cancelled():  # the client went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 @dataclass(frozen=True)
 class Finished:
     """Every choice of the request has ended well: their Done events, by choice."""
@@ -123,7 +137,7 @@ class EngineWorker:
         self.reasoning = self.format.reasoning  # how it thinks (None: it does not): found once, before any request
         self.pool = SlotPool(engine, cache_mib, kv_disk)
         self.parallel = self.pool.size
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[object] = queue.Queue()  # Jobs, _WAKE markers, and None: stop
         self._max_queued = max_queued
         self._lock = threading.Lock()
         self._pending: set[Job] = set()
@@ -132,6 +146,10 @@ class EngineWorker:
         self.cancelled = 0  # of which cancelled (the client went away, or the server is stopping)
         self._outbox: list[tuple[Job, object]] = []  # events of this step, posted together (post_all)
         self._head: Job | None = None  # the next job, waiting for as many free slots as it has choices
+        # Work for the engine's thread between two steps (call): the function, its future and that one's loop.
+        self._calls: list[tuple[Callable[[], object], asyncio.Future[Any], asyncio.AbstractEventLoop]] = []
+        self._wakes = 0  # _WAKE markers on the queue (not requests: `queued` leaves them out)
+        self._closed = False  # the thread has ended: no more calls
 
     def start(self) -> None:
         self._thread.start()
@@ -144,10 +162,47 @@ class EngineWorker:
             self._pending.add(job)
         self._queue.put(job)
 
+    def call(self, fn: Callable[[], object]) -> "asyncio.Future[Any]":
+        """Run `fn` on the engine's thread, between two steps (no slot's cells are being decoded then), before
+        the next request is admitted; its result, or what it raised, comes back in the returned future of the
+        calling event loop. For what touches a slot's cells from outside a generation (app.serve.slots)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise ApiError(503, "the server is stopping", code="cancelled")
+            self._calls.append((fn, future, loop))
+            self._wakes += 1
+        self._queue.put(_WAKE)
+        return future
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, future, loop in calls:
+            result: object = None
+            error: BaseException | None = None
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - answered to the caller, the thread goes on
+                error = e
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop is closed: the server is stopping
+                pass
+
+    def _take(self, block: bool) -> object:
+        """The next item of the queue (queue.Empty when there is none and `block` is false)."""
+        item = self._queue.get(block=block)
+        if item is _WAKE:
+            with self._lock:
+                self._wakes -= 1
+        return item
+
     @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
-        return self._queue.qsize() + (self._head is not None)
+        return max(0, self._queue.qsize() - self._wakes) + (self._head is not None)
 
     @property
     def running(self) -> int:
@@ -169,17 +224,22 @@ class EngineWorker:
         stopping = False
         while not stopping or len(self.pool):
             while not stopping:
+                self._run_calls()
                 self._flush()
                 if self._head is None:
                     if not self.pool.free:
                         break
                     try:  # wait for work only when there is nothing to step
-                        self._head = self._queue.get(block=not len(self.pool))
+                        item = self._take(block=not len(self.pool))
                     except queue.Empty:
                         break
-                    if self._head is None:
+                    if item is _WAKE:  # a call: run it, then look again
+                        continue
+                    if item is None:
                         stopping = True
                         break
+                    assert isinstance(item, Job)
+                    self._head = item
                 if len(self.pool.free) < self._head.request.n and not self._head.cancelled:
                     break  # first in, first out: the jobs behind it wait too
                 job, self._head = self._head, None
@@ -189,9 +249,12 @@ class EngineWorker:
         if self._head is not None:
             self._queue.put(self._head)
         while not self._queue.empty():  # submitted while the server stopped
-            if (job := self._queue.get_nowait()) is not None:
+            if isinstance(job := self._take(block=False), Job):
                 self._finish(job, Failed(ApiError(503, "cancelled before it started (the server is stopping)",
                                                   code="cancelled")))
+        with self._lock:
+            self._closed = True
+        self._run_calls()  # the last ones: no generation runs now
         self._flush()
         try:  # what the slots and the prompt cache hold, onto disk for the next start (backends.prompt_cache)
             self.pool.spill()
