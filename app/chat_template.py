@@ -20,6 +20,8 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from backends.harmony import is_harmony, template_messages
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -40,7 +42,7 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None  # a tool message: the function's name
-    reasoning: str = ""  # an assistant's thinking (templates read it as `reasoning_content`)
+    reasoning: str = ""  # an assistant's thinking (templates read it as `reasoning_content`; gpt-oss's, `thinking`)
 
 
 def _arguments(text: str) -> object:
@@ -124,9 +126,12 @@ def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, 
         extra["tools"] = list(tools)
     for reserved in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
         extra.pop(reserved, None)
+    dicts = [message_dict(m) for m in messages]
+    if is_harmony(template):  # gpt-oss's template reads an assistant's reasoning as `thinking`
+        dicts = template_messages(dicts)
     try:
         return _compile(template).render(
-            messages=[message_dict(m) for m in messages],
+            messages=dicts,
             add_generation_prompt=True,
             bos_token=bos_token,
             eos_token=eos_token,

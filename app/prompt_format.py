@@ -57,8 +57,10 @@ class PromptFormat:
         out = {"enable_thinking": thinking, **(kwargs or {})}
         fmt = self.reasoning
         if fmt is not None and out.get("enable_thinking") is False and not fmt.can_disable:
+            # gpt-oss's thinks less at reasoning_effort "low" (its template's variable: low, medium, high)
+            effort = "; it takes reasoning_effort" if "reasoning_effort" in (self.template or "") else ""
             raise ThinkingError(f"{self.engine.config.target.name}: its chat template cannot turn thinking off "
-                                "(it takes no enable_thinking); bound it with a reasoning budget instead")
+                                f"(it takes no enable_thinking{effort}); bound it with a reasoning budget instead")
         return out
 
     def reasoning_for(self, messages: Sequence[ChatMessage], system_prompt: str = "",

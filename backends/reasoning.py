@@ -9,12 +9,15 @@ their templates and splits the output into `reasoning_content` and
 `content`; this module is that, for specchat's event stream:
 
 - `ReasoningFormat`: the tags, and whether the prompt opened the block
-  (`detect_format` finds them from the template and how it renders);
+  (`detect_format` finds them from the template and how it renders); gpt-oss's
+  harmony channels are a format too, with the analysis channel's header and
+  `<|end|>` for tags (backends.harmony);
 - `Splitter`: a streaming splitter of released text into reasoning and
   answer, robust to tags split across tokens or spelled as several, to a
   model that skips thinking, and to a block never closed (at the end of the
   output, all of it is reasoning, as llama.cpp's parser has it). Like
-  llama.cpp's, it trims the reasoning and the start of the answer;
+  llama.cpp's, it trims the reasoning and the start of the answer (`new_splitter`
+  gives harmony's its own, backends.harmony.HarmonySplitter);
 - `Thinking`: a strategy wrapper (every strategy, alone or under the
   scheduler: it is a step machine too, backends.steps.relay) that labels
   each token's text by channel and ends the thinking at a budget, as
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from backends.errors import PromptError
 from backends.events import Channel, Done, Event, GenStats, Prefilled, Token
+from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter, is_harmony
 from backends.sampling import GenParams
 from backends.steps import Steps, relay, run_solo
 
@@ -66,17 +70,25 @@ CONTENT: Channel = "content"
 class ReasoningFormat:
     """A thinking model's tags; `opened`: its generation prompt opens the block (the output starts inside it);
     `can_disable`: its template turns thinking off (`enable_thinking: false` renders the block closed); `after`:
-    what its template writes after the end tag, which a budget forces with it."""
+    what its template writes after the end tag, which a budget forces with it (and, where it is more than
+    whitespace, a grammar on the answer: the grammar would not let the model write it); `channels`: gpt-oss's
+    harmony, whose output is messages on channels (backends.harmony)."""
 
     start: str
     end: str
     opened: bool = False
     can_disable: bool = False
     after: str = ""  # what the template writes after the end tag (Qwen3's, QwQ's: "\n\n"), forced with it
+    channels: bool = False
 
     def __post_init__(self) -> None:
         if not self.start or not self.end or self.start == self.end:
             raise ValueError("a reasoning format needs two different, non-empty tags")
+
+
+# gpt-oss: its analysis channel is the reasoning, ended by <|end|>, and the final channel's header follows.
+# llama.cpp's gpt-oss handler has the same thinking_start_tag and thinking_end_tags (common/parsers/gpt-oss.cpp).
+HARMONY = ReasoningFormat(ANALYSIS, END, after=FINAL, channels=True)
 
 
 def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningFormat | None:
@@ -88,6 +100,9 @@ def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningForm
     whether the output starts inside it, and whether `enable_thinking:
     false` closes it says whether thinking can be turned off.
     """
+    if is_harmony(template):  # gpt-oss takes reasoning_effort (low, medium, high), never enable_thinking
+        on = render({"enable_thinking": True})
+        return replace(HARMONY, opened=on.rfind(HARMONY.start) > on.rfind(HARMONY.end))
     for start, end in TAGS:
         if end not in template:
             continue
@@ -129,6 +144,8 @@ class Splitter:
     """
 
     def __init__(self, fmt: ReasoningFormat, opened: bool | None = None) -> None:
+        if fmt.channels:
+            raise ValueError("harmony's channels have their own splitter: backends.reasoning.new_splitter(fmt)")
         self.fmt = fmt
         self.state: str = REASONING if (fmt.opened if opened is None else opened) else "before"
         self._buf = ""
@@ -212,9 +229,14 @@ class Splitter:
         return "", buf
 
 
+def new_splitter(fmt: ReasoningFormat, opened: bool | None = None) -> Splitter | HarmonySplitter:
+    """The streaming splitter for a format: harmony's channels, or a block between tags."""
+    return HarmonySplitter(fmt, opened) if fmt.channels else Splitter(fmt, opened)
+
+
 def split(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
     """A whole output's (reasoning, answer)."""
-    s = Splitter(fmt)
+    s = new_splitter(fmt)
     s.push(text)
     s.flush()
     return s.reasoning, s.content
@@ -275,10 +297,15 @@ class Thinking:
         text = b"".join(self.model.piece(t) for t in done.tokens).decode("utf-8", errors="replace")
         return text[len(done.text):].startswith(tag)
 
+    def _unwritten(self, text: str, prompt: list[int]) -> str:
+        """`text` less its beginning that the prompt ends with (gpt-oss's prompt ends in `<|start|>assistant`)."""
+        tail = b"".join(self.model.piece(t) for t in prompt[-32:]).decode("utf-8", errors="replace")
+        return text[next((k for k in range(len(text), 0, -1) if tail.endswith(text[:k])), 0):]
+
     def _phases(self, prompt: list[int], params: GenParams, should_stop: Callable[[], bool]) -> Steps:
         fmt = params.reasoning
         assert fmt is not None
-        splitter = Splitter(fmt)
+        splitter = new_splitter(fmt)
         # A tag that is one control token renders as nothing (LlamaModel.piece): its text is put back for the
         # splitter (the end tag then ends the thinking phase only at the answer's end, not as a stop string).
         invisible = {ids[0]: tag for tag in (fmt.start, fmt.end)
@@ -315,15 +342,22 @@ class Thinking:
             else:
                 yield event
 
+        # What must come before the answer and a grammar would not let the model write (harmony's final header,
+        # not whitespace): forced, where a grammar holds the answer.
+        header = ""
+        cap = 0
         if params.grammar is not None and not fmt.opened:
             # A grammar from the first token: the model cannot open a block, so the answer is all there is.
             splitter.close()
-            yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
-            yield self._done(prompt, ends[-1], [], None, splitter, carry)
-            return
-        budget = params.reasoning_budget
-        start_tokens = 0 if fmt.opened else len(self._tokens(fmt.start))
-        cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
+            header = self._unwritten(fmt.after, prompt) if fmt.after.strip() else ""
+            if not header:
+                yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
+                yield self._done(prompt, ends[-1], [], None, splitter, carry)
+                return
+        else:
+            budget = params.reasoning_budget
+            start_tokens = 0 if fmt.opened else len(self._tokens(fmt.start))
+            cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
         first: Done | None = None
         if cap > 0:
             thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True)
@@ -332,17 +366,24 @@ class Thinking:
             carried(splitter.push(first.tail))
             if first.reason == "stop" and self._ended_by_tag(first, fmt.end):
                 carried((splitter.close(), ""))
+                header = fmt.after if params.grammar is not None and fmt.after.strip() else ""
             elif first.reason != "length" or len(first.tokens) >= params.max_tokens:
                 yield self._done(prompt, first, [], None, splitter, carry)  # the answer's end: eos, a stop, an error
                 return
         forced: list[int] = []
-        if splitter.thinking:  # the budget is spent inside the block: its end is forced
-            message = params.reasoning_message
-            # The message, then the tag, as llama-server forces them; then what the template writes after the tag
-            # (llama-server leaves that to the model, and a small one may end its answer there, empty).
-            forced = self._tokens(message + fmt.end + fmt.after)
-            reasoning, _ = splitter.push(message)
-            reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
+        if splitter.thinking or header:
+            if splitter.thinking:  # the budget is spent inside the block: its end is forced
+                message = params.reasoning_message
+                # The message, then the tag, as llama-server forces them; then what the template writes after the
+                # tag (llama-server leaves that to the model, and a small one may end its answer there, empty).
+                header = message + fmt.end + fmt.after
+                reasoning, _ = splitter.push(message)
+                reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
+                splitter.push(fmt.after)  # nothing to show: whitespace, or harmony's final header
+            else:
+                reasoning, carry[0] = carry[0], ""
+                splitter.push(header)
+            forced = self._tokens(header)
             tokens = [Token(tok, "", "accepted", source="grammar", reasoning=reasoning if i == 0 else "",
                             channel=CONTENT) for i, tok in enumerate(forced)]
             if prefilled[0]:
@@ -368,7 +409,7 @@ class Thinking:
         yield self._done(prompt, first, forced, ends[-1], splitter, carry)
 
     def _done(self, prompt: list[int], first: Done | None, forced: list[int], second: Done | None,
-              splitter: Splitter, carry: list[str], reason: str | None = None) -> Done:
+              splitter: Splitter | HarmonySplitter, carry: list[str], reason: str | None = None) -> Done:
         """One Done for the phases: all their tokens, the answer as text, the reasoning whole."""
         last = second or first
         if second is not None:

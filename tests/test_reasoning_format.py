@@ -26,8 +26,8 @@ Not taken from test-chat.cpp, as things the splitter does not do:
 - continuation cases (`continue_final_message`): the prefilled reasoning is the request's, not the output's;
 - Gemma 4's stray-tag edge cases (lines 3155-3177: channel tags repeated after the answer or doubled before
   the block, which its dedicated parser drops);
-- formats with tags specchat does not split: gpt-oss harmony channels, Kimi-K3's <|close|>think<|sep|>,
-  MiniMax-M3's <mm:think>, Apriel's [BEGIN FINAL RESPONSE].
+- formats with tags specchat does not split: Kimi-K3's <|close|>think<|sep|>, MiniMax-M3's <mm:think>,
+  Apriel's [BEGIN FINAL RESPONSE]. gpt-oss's harmony channels have their own file, tests/test_harmony.py.
 Kept with a difference: Command R7B and Cohere2 MoE wrap the answer in <|START_RESPONSE|>/<|START_TEXT|>
 markers that llama.cpp's parsers remove; the splitter leaves them in the content, so those cases expect
 test-chat.cpp's content inside its markers. The content-only cases marked "(none)" run under reasoning_format
@@ -50,7 +50,8 @@ from pathlib import Path
 import pytest
 
 from app.chat_template import ChatMessage, render_chat
-from backends.reasoning import ReasoningFormat, Splitter, detect_format, split
+from backends.harmony import ANALYSIS, END, FINAL
+from backends.reasoning import ReasoningFormat, Splitter, detect_format, new_splitter, split
 
 THINK = ReasoningFormat("<think>", "</think>")
 THINK_OPEN = ReasoningFormat("<think>", "</think>", opened=True)
@@ -137,7 +138,7 @@ CASES = [
 
 def _streamed(fmt: ReasoningFormat, pieces: list[str]) -> tuple[str, str]:
     """The splitter fed `pieces`, then flushed: its released pieces joined (and checked against its totals)."""
-    s = Splitter(fmt)
+    s = new_splitter(fmt)
     reasoning = content = ""
     for piece in pieces:
         r, c = s.push(piece)
@@ -235,10 +236,10 @@ TEMPLATE_CASES = [
     # quotes "[THINK]...[/THINK]", closed)
     TemplateCase("mistralai-Ministral-3-14B-Reasoning-2512", "<s>", "</s>", "[INST]Hey there![/INST]",
                  "[INST]Hey there![/INST]", ReasoningFormat("[THINK]", "[/THINK]", opened=False, can_disable=False)),
-    # test-chat.cpp:7005: "<|start|>assistant". Harmony channels (<|channel|>analysis<|message|>…<|end|>):
-    # specchat does not split them yet, so no format.
+    # test-chat.cpp:7010: "<|start|>assistant". Harmony channels (<|channel|>analysis<|message|>…<|end|>, then
+    # the final channel's header), as llama.cpp's gpt-oss handler (common/parsers/gpt-oss.cpp); no enable_thinking
     TemplateCase("openai-gpt-oss-120b", "<|startoftext|>", "<|return|>", "<|start|>assistant",
-                 "<|start|>assistant", None),
+                 "<|start|>assistant", ReasoningFormat(ANALYSIS, END, after=FINAL, channels=True)),
     # not a thinking model
     TemplateCase("Qwen-Qwen2.5-7B-Instruct", "", "<|im_end|>", "<|im_start|>assistant\n",
                  "<|im_start|>assistant\n", None),
