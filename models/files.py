@@ -10,16 +10,22 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """`path` holds `data` (text as UTF-8), or what it held before: written beside it (readable by its owner
-    only), synced, then renamed over it."""
+def write_atomic(path: Path, data: str | bytes | Sequence[bytes]) -> None:
+    """`path` holds `data` (text as UTF-8; or byte strings one after another, written as they are: no copy
+    joins them, which for large ones would hold Python's lock while a decoding thread waits), or what it held
+    before: written beside it (readable by its owner only), synced, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    chunks = [data.encode("utf-8")] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    view = view[f.write(view):]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
