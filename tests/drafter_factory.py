@@ -56,6 +56,18 @@ class MtpModel:
             raise ValueError("residual and head_noise must be >= 0")
 
 
+def add_nextn_tensors(w: gguf.GGUFWriter, i: int, hidden_half: np.ndarray) -> None:
+    """Block i's NextN tensors: eh_proj maps concat(enorm(embedding), hnorm(hidden)) to n_embd, the identity on
+    the embedding half and `hidden_half` (n_embd x n_embd) on the hidden one; unit norms."""
+    d = hidden_half.shape[0]
+    eh = np.zeros((d, 2 * d), dtype=np.float32)
+    eh[:, :d] = np.eye(d, dtype=np.float32)
+    eh[:, d:] = hidden_half
+    w.add_tensor(f"blk.{i}.nextn.eh_proj.weight", eh)
+    for name in ("enorm", "hnorm", "shared_head_norm"):
+        w.add_tensor(f"blk.{i}.nextn.{name}.weight", np.ones(d, dtype=np.float32))
+
+
 def write_mtp_target(path: Path, model: MtpModel = MtpModel(), vocab: Vocab | None = None) -> Path:
     """Write a glm4moe GGUF with `model.n_layer` dense trunk layers and one NextN (MTP) block."""
     vocab = vocab or spm_vocab()
@@ -115,15 +127,7 @@ def write_mtp_target(path: Path, model: MtpModel = MtpModel(), vocab: Vocab | No
         w.add_tensor(f"blk.{i}.ffn_gate_shexp.weight", weight((fe, d), sd))
         w.add_tensor(f"blk.{i}.ffn_up_shexp.weight", weight((fe, d), sd))
         w.add_tensor(f"blk.{i}.ffn_down_shexp.weight", weight((d, fe), out_scale / np.sqrt(fe)))
-        # eh_proj maps concat(enorm(embedding), hnorm(hidden)) to n_embd: identity on the embedding half,
-        # the hidden half scaled by head_noise.
-        eh = np.zeros((d, 2 * d), dtype=np.float32)
-        eh[:, :d] = np.eye(d, dtype=np.float32)
-        eh[:, d:] = weight((d, d), sd * model.head_noise)
-        w.add_tensor(f"blk.{i}.nextn.eh_proj.weight", eh)
-        w.add_tensor(f"blk.{i}.nextn.enorm.weight", ones(d))
-        w.add_tensor(f"blk.{i}.nextn.hnorm.weight", ones(d))
-        w.add_tensor(f"blk.{i}.nextn.shared_head_norm.weight", ones(d))
+        add_nextn_tensors(w, i, weight((d, d), sd * model.head_noise))
     w.add_tensor("output_norm.weight", ones(d))
     w.add_tensor("output.weight", weight((n_vocab, d), model.logit_scale))
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from drafter_factory import add_nextn_tensors
 from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
 
 ARCH = "qwen35"
@@ -171,15 +172,7 @@ def write_qwen35_mtp_target(path: Path, model: Qwen35Model = Qwen35Model(), voca
         ffn(i, out_scale)
         if trunk:
             continue
-        # eh_proj maps concat(enorm(embedding), hnorm(hidden)) to n_embd: identity on the embedding half,
-        # the hidden half scaled by head_noise.
-        eh = np.zeros((d, 2 * d), dtype=np.float32)
-        eh[:, :d] = np.eye(d, dtype=np.float32)
-        eh[:, d:] = weight((d, d), sd * model.head_noise)
-        w.add_tensor(f"blk.{i}.nextn.eh_proj.weight", eh)
-        w.add_tensor(f"blk.{i}.nextn.enorm.weight", ones(d))
-        w.add_tensor(f"blk.{i}.nextn.hnorm.weight", ones(d))
-        w.add_tensor(f"blk.{i}.nextn.shared_head_norm.weight", ones(d))
+        add_nextn_tensors(w, i, weight((d, d), sd * model.head_noise))
     w.add_tensor("output_norm.weight", ones(d))
     w.add_tensor("output.weight", weight((n_vocab, d), model.logit_scale))
 
