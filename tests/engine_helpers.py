@@ -59,3 +59,20 @@ def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
     change the greedy text."""
     out = run_to_done(engine, "ar", prompt, GenParams(max_tokens=n)).tokens
     return min(top2_gap(engine, prompt + list(out[:i])) for i in range(len(out)))
+
+
+def divergences_from_alone(alone: Engine, jobs: list[tuple[str, list[int], GenParams]],
+                           got: list[list]) -> list[tuple[str, int, float]]:
+    """Each greedy request's output under load (its events' Done) against `ar` on `alone`, the same prompt by
+    itself: (strategy, output token, the top-2 logit gap alone there) for every request that parts from it.
+    Every request must have ended by its length or an end token."""
+    divergences = []
+    for (strategy, prompt, params), events in zip(jobs, got):
+        done = events[-1]
+        assert isinstance(done, Done) and done.reason in ("length", "eos"), done
+        want = run_to_done(alone, "ar", prompt, params).tokens
+        if done.tokens != want:
+            i = next(i for i, (a, b) in enumerate(zip(done.tokens + (-1,), want + (-1,))) if a != b)
+            divergences.append((strategy, i, top2_gap(alone, prompt + list(want[:i]))))
+            print(f"divergence: {strategy} at output token {i}, top-2 logit gap alone {divergences[-1][2]:.5f}")
+    return divergences

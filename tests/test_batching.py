@@ -22,7 +22,7 @@ from backends.errors import PromptError
 from backends.events import Done, Event, StepEnd, Token
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
-from engine_helpers import BATCH_NOISE, run_to_done, top2_gap
+from engine_helpers import BATCH_NOISE, divergences_from_alone
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PROMPT, PARAMS
 
@@ -84,17 +84,7 @@ def test_a_mixed_batch_gives_each_request_its_text_alone(tiny, pooled: Engine) -
     got = _collect(SlotPool(pooled), jobs)
     alone_engine = _engine(tiny, 1)
     try:
-        divergences = []
-        for (strategy, prompt, _), events in zip(jobs, got):
-            done = events[-1]
-            assert isinstance(done, Done) and done.reason in ("length", "eos"), done
-            alone = run_to_done(alone_engine, "ar", prompt, params)
-            if done.tokens != alone.tokens:
-                i = next((i for i, (a, b) in enumerate(zip(done.tokens, alone.tokens)) if a != b),
-                         min(len(done.tokens), len(alone.tokens)))
-                gap = top2_gap(alone_engine, prompt + list(alone.tokens[:i]))
-                divergences.append((strategy, i, gap))
-                print(f"divergence: {strategy} at output token {i}, top-2 logit gap alone {gap:.5f}")
+        divergences = divergences_from_alone(alone_engine, jobs, got)
         assert all(gap < BATCH_NOISE for _, _, gap in divergences), divergences
         assert len(divergences) <= 2, f"more near-ties than batch noise explains: {divergences}"
         assert sum(e.drafted for ev in got for e in ev if isinstance(e, StepEnd)) > 0, "speculation ran"

@@ -234,7 +234,7 @@ def test_a_mixed_batch_with_the_draft_gives_each_request_its_text_alone(files: E
     several sequences share its lane's batches (one slot's catch-up beside another's drafts), and no slot keeps
     cells beyond its record."""
     from backends.slot_pool import SlotPool
-    from engine_helpers import BATCH_NOISE, top2_gap
+    from engine_helpers import BATCH_NOISE, divergences_from_alone
     from test_batching import _collect, _leaks
 
     strategies = ["ar", "sps", "auto", "tree", "sps", "lookup", "auto", "sps"]
@@ -247,14 +247,7 @@ def test_a_mixed_batch_with_the_draft_gives_each_request_its_text_alone(files: E
         prompts = [list(PROMPTS[i % len(PROMPTS)]) + [300 + i] for i in range(len(strategies))]
         jobs = [(s, p, params) for s, p in zip(strategies, prompts)]
         got = _collect(SlotPool(engine), jobs, options)
-        divergences = []
-        for (strategy, prompt, _), events in zip(jobs, got):
-            done = events[-1]
-            assert done.reason in ("length", "eos"), done
-            want = run_to_done(alone, "ar", prompt, params).tokens
-            if done.tokens != want:
-                i = next(i for i, (a, b) in enumerate(zip(done.tokens + (-1,), want)) if a != b)
-                divergences.append((strategy, i, top2_gap(alone, prompt + list(want[:i]))))
+        divergences = divergences_from_alone(alone, jobs, got)
         assert all(gap < BATCH_NOISE for _, _, gap in divergences), divergences
         assert len(divergences) <= 2, divergences
         drafted = sum(1 for ev in got for e in ev if isinstance(e, Token) and e.source == "eagle3")
