@@ -134,7 +134,26 @@ def hidden_row(ctx: LlamaContext, row: int) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(ctx.model.n_embd,))
 
 
-class HiddenBatch:
+class _ExtBatch:
+    """A llama_batch_ext of one context, with its position buffer; freed on close."""
+
+    def __init__(self, ctx: LlamaContext, what: str) -> None:
+        self.ctx = ctx
+        self._b = llama_cpp.llama_batch_ext_init(ctx.ptr)
+        if not self._b:
+            raise DecodeError(f"llama.cpp could not make an extended batch for {what}")
+        self._pos = (llama_cpp.llama_pos * 4)()
+
+    def close(self) -> None:
+        if getattr(self, "_b", None):
+            llama_cpp.llama_batch_ext_free(self._b)
+            self._b = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class HiddenBatch(_ExtBatch):
     """A llama_batch_ext whose rows are (token, position, sequence ids, wants logits, hidden state).
 
     The hidden states of one fill live in one contiguous array that is kept
@@ -143,14 +162,10 @@ class HiddenBatch:
     """
 
     def __init__(self, ctx: LlamaContext) -> None:
-        self.ctx = ctx
-        self._b = llama_cpp.llama_batch_ext_init(ctx.ptr)
-        if not self._b:
-            raise DecodeError("llama.cpp could not make an extended batch for the MTP context")
+        super().__init__(ctx, "the MTP context")
         self.capacity = ctx.n_batch
         self.n_embd = ctx.model.n_embd
         self._hidden = np.zeros((0, self.n_embd), dtype=np.float32)
-        self._pos = (llama_cpp.llama_pos * 4)()
         self.n_rows = 0
 
     def fill(self, rows: Sequence[tuple[int, int, Sequence[int], bool]], hidden: np.ndarray) -> None:
@@ -184,28 +199,18 @@ class HiddenBatch:
             raise DecodeError(f"llama_process failed with code {rc} (MTP batch of {self.n_rows} rows)")
         return time.perf_counter() - t0
 
-    def close(self) -> None:
-        if getattr(self, "_b", None):
-            llama_cpp.llama_batch_ext_free(self._b)
-            self._b = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
-class EncodeBatch:
+class EncodeBatch(_ExtBatch):
     """An EAGLE-3 draft's encoder: rows of the target's layer inputs (3 x n_embd_target wide) in, one g row
     (the draft's n_embd) out each, by `llama_process(ctx, LLAMA_PROCESS_TYPE_ENCODE)` in chunks of n_ubatch.
     No KV cell is written; the positions are placeholders, after what sequence 0 holds (llama.cpp checks them
     against its cells as a decode's: common/speculative.cpp:653-660)."""
 
     def __init__(self, ctx: LlamaContext, width: int) -> None:
-        self.ctx, self.width, self.n_embd = ctx, width, ctx.model.n_embd
+        super().__init__(ctx, "the EAGLE-3 encoder")
+        self.width, self.n_embd = width, ctx.model.n_embd
         self.chunk = int(llama_cpp.llama_n_ubatch(ctx.ptr))
-        self._b = llama_cpp.llama_batch_ext_init(ctx.ptr)
-        if not self._b:
-            raise DecodeError("llama.cpp could not make an extended batch for the EAGLE-3 encoder")
-        self._pos = (llama_cpp.llama_pos * 4)()
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """g for each row of `features` (float32, n x width): a new array, n x n_embd."""
@@ -234,10 +239,3 @@ class EncodeBatch:
             out[start:start + k] = np.ctypeslib.as_array(ptr, shape=(k, self.n_embd))
         return out
 
-    def close(self) -> None:
-        if getattr(self, "_b", None):
-            llama_cpp.llama_batch_ext_free(self._b)
-            self._b = None
-
-    def __del__(self) -> None:
-        self.close()
