@@ -301,7 +301,7 @@ class Engine:
 
     def close(self) -> None:
         if getattr(self, "learnt", None) is not None:
-            self.learnt.keep_timing(force=True)  # the lanes' live curves, the realised rates: for the next process
+            self.learnt.flush(force=True)  # what was learnt, the lanes' live curves, the realised rates: for the next process
         if getattr(self, "_memory", None) is not None:
             self._memory.flush()  # type: ignore[union-attr]
         for lane in (self.draft_lane, self.target_lane):  # an MTP or EAGLE-3 context reads the target's: first

@@ -20,10 +20,12 @@ new speculating ticks, and while everyone speculates no plain ones. Where
 plain evidence is older than PLAIN_EVERY ticks, every PLAIN_EVERY-th tick is
 plain for everyone (`plain_due`): at most that share of ticks, where
 speculation pays, is spent keeping the plain rate current. Evidence older
-than STALE ticks counts a quarter when new evidence of its kind comes, so
-that once speculation is held back, a probe tick every STALE ticks (where
-sequences decide as they would) soon lets it run again if the machine
-changed: speculation resumes within a few probes after a busy spell ends.
+than STALE ticks counts a quarter in the rate when new evidence of its kind
+comes, so that once speculation is held back, a probe tick now and then
+(where sequences decide as they would) is judged with it at once: a probe
+that finds speculation paying lets it run again (within a few probes after a
+busy spell ends), one that does not keeps it held back, and no ticks
+speculate unchecked in between.
 Ticks that decode a prompt chunk are not counted: they are neither.
 
 The rates are kept for the next process on the same files and machine
@@ -46,7 +48,7 @@ MIN_PLAIN = 4.0
 # Per observation of a kind at a batch size: about 1/(1-DECAY) recent ticks count, so a machine that slows
 # down or speeds up (another program starts or stops) is followed within a few dozen ticks.
 DECAY = 0.95
-# Evidence older than STALE ticks weighs STALE_WEIGHT when new evidence of its kind comes.
+# Evidence older than STALE ticks weighs STALE_WEIGHT in the rate when new evidence of its kind comes.
 STALE = 64
 STALE_WEIGHT = 0.25
 # Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
@@ -65,10 +67,13 @@ class _Rate:
     last_tick: int = -(1 << 30)
 
     def add(self, tokens: int, seconds: float, tick: int) -> None:
+        # Stale evidence weighs less in the rate, not in the count: the count says there is evidence to judge
+        # by, so a probe's tick is judged at once with what came before (had the count fallen below the
+        # minimum, the ticks after each probe would speculate unchecked until it was reached again).
         keep = DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
-        self.count = self.count * keep + 1.0
+        self.count = self.count * DECAY + 1.0
         self.last_tick = tick
 
     @property

@@ -23,10 +23,10 @@ from backends.realised import Realised
 from backends.steps import BatchLoad
 from backends.store import JsonStore
 
-# What the engine's timing learnt (the lanes' live curves, the realised rates) is written at a generation's end at
-# most this often (and always when the engine closes): a process that ends without closing loses a minute of it
-# at most, and the writes (three small entries, each a synced file) never come more than once a minute.
-KEEP_TIMING_EVERY = 60.0
+# What was learnt is written at a generation's end at most this often (and always when the engine closes): a
+# process that ends without closing loses a minute of it at most. One write (the whole store, synced) took about
+# 20 ms on the decoding thread: at every request's end it cost a server of short replies 3-4% of its throughput.
+KEEP_EVERY = 60.0
 
 
 class Learnt:
@@ -37,14 +37,14 @@ class Learnt:
     store keeps it between sessions (learnt.json beside the device cost cache),
     under `key` (computed once: every generation of `auto` keeps its state).
 
-    The engine's timing is kept the same way (`keep_timing`), so that a new
-    process starts from what the last one learnt on these files: each lane's
-    live cost curve (`lanes`, under "live:" and the lane's name: taken up
-    when the lane is seeded with the curve it was learnt against,
-    backends.live_cost) and the scheduler's realised rates (`realised_for`, under
-    "realised", backends.realised). They are written with what strategies keep
-    (at a generation's end, at most every KEEP_TIMING_EVERY seconds) and when
-    the engine closes, never while decoding.
+    The engine's timing is kept the same way, so that a new process starts
+    from what the last one learnt on these files: each lane's live cost curve
+    (`lanes`, under "live:" and the lane's name: taken up when the lane is
+    seeded with the curve it was learnt against, backends.live_cost) and the
+    scheduler's realised rates (`realised_for`, under "realised",
+    backends.realised). Everything is written together, in one write of the
+    store (`flush`): at a generation's end at most every KEEP_EVERY seconds,
+    and when the engine closes; never while decoding.
     """
 
     def __init__(self, store: JsonStore, key: Callable[[], str],
@@ -58,17 +58,18 @@ class Learnt:
             lane.live.earlier = lambda name=name: self._earlier(f"live:{name}")
         self._load: BatchLoad | None = None  # the scheduler's, whose realised rates are kept
         self._load_tick = 0  # its tick count when taken up
-        self._timing_kept = -math.inf  # when keep_timing last wrote (time.monotonic)
+        self._pending: dict[str, dict | Callable[[], dict]] = {}  # what `keep` was given since the last write
+        self._written = -math.inf  # when `flush` last wrote (time.monotonic)
 
     def kept(self, name: str) -> dict | None:
         """What `name` kept in an earlier session (with `keep`), or None: nothing kept, stale, or `afresh`."""
         return self._store.get(f"{name}:{self._key()}") if self._read else None
 
-    def keep(self, name: str, entry: dict) -> None:
-        """Keep what `name` learnt (a JSON object with a `saved_at` time stamp) for later sessions; the engine's
-        timing too, if it was not kept in the last KEEP_TIMING_EVERY seconds."""
-        self._store.put(f"{name}:{self._key()}", entry)
-        self.keep_timing()
+    def keep(self, name: str, entry: dict | Callable[[], dict]) -> None:
+        """Keep what `name` learnt (a JSON object with a `saved_at` time stamp, or what makes it when it is
+        written: the latest state then) for later sessions: written with the engine's timing by `flush`."""
+        self._pending[name] = entry
+        self.flush()
 
     def _earlier(self, name: str) -> dict | None:
         try:
@@ -82,23 +83,26 @@ class Learnt:
         load.realised = Realised.from_json(self._earlier("realised"))
         self._load, self._load_tick = load, load.realised.tick
 
-    def keep_timing(self, force: bool = False) -> None:
-        """Keep the lanes' live curves and the scheduler's realised rates, those that learnt anything here: at
-        most every KEEP_TIMING_EVERY seconds, unless `force` (the engine closes). Never raises: what cannot be
-        kept is learnt again."""
+    def flush(self, force: bool = False) -> None:
+        """Write what `keep` was given and the timing (the lanes' live curves and the scheduler's realised rates,
+        those that learnt anything here), in one write: at most every KEEP_EVERY seconds, unless `force` (the
+        engine closes). Never raises: what cannot be kept is learnt again."""
         now = time.monotonic()
-        if self._store.path is None or not force and now - self._timing_kept < KEEP_TIMING_EVERY:
+        if self._store.path is None or not force and now - self._written < KEEP_EVERY:
             return
-        entries = {f"live:{name}": lane.live.to_json() for name, lane in self._lanes.items() if lane.live.observed}
-        realised = self._load.realised if self._load is not None else None
-        if realised is not None and realised.tick != self._load_tick and (realised.plain or realised.speculated):
-            entries["realised"] = realised.to_json()
-        if entries:
-            self._timing_kept = now
         try:
-            for name, entry in entries.items():
-                if entry is not None:
-                    self._store.put(f"{name}:{self._key()}", entry)
+            entries = {name: entry() if callable(entry) else entry for name, entry in self._pending.items()}
+            self._pending.clear()
+            entries.update({f"live:{name}": lane.live.to_json() for name, lane in self._lanes.items()
+                            if lane.live.observed})
+            realised = self._load.realised if self._load is not None else None
+            if realised is not None and realised.tick != self._load_tick and (realised.plain or realised.speculated):
+                entries["realised"] = realised.to_json()
+            entries = {name: entry for name, entry in entries.items() if entry is not None}
+            if entries:
+                self._written = now
+                key = self._key()
+                self._store.put_many({f"{name}:{key}": entry for name, entry in entries.items()})
         except Exception:  # noqa: BLE001 - keeping is for later; it must never fail a generation or a close
             pass
 

@@ -54,14 +54,20 @@ class JsonStore:
 
     def put(self, key: str, entry: dict | None) -> None:
         """Store `entry` (which carries its own time stamp) under `key`; None forgets it."""
-        if self.path is None:
+        self.put_many({key: entry})
+
+    def put_many(self, entries: dict[str, dict | None]) -> None:
+        """Store each entry under its key (None forgets it) in one write of the file."""
+        if self.path is None or not entries:
             return
         data = self._load()
-        if entry is None:
-            data.pop(key, None)
-        else:
-            data[key] = entry
+        for key, entry in entries.items():
+            if entry is None:
+                data.pop(key, None)
+            else:
+                data[key] = entry
         try:
-            write_atomic(self.path, json.dumps(data, indent=1) + "\n")
+            # Compact: json's C encoder serves no `indent` (indented, encoding a 70 kB store took 20 ms).
+            write_atomic(self.path, json.dumps(data, separators=(",", ":")) + "\n")
         except OSError:
             pass  # a store that cannot be written only costs measuring or learning again next time

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import pytest
 
-from backends.config import LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions, TreeConfig
+from backends.config import AutoConfig, LookaheadConfig, LookupConfig, SpsConfig, StrategyOptions, TreeConfig
+from backends.device_cost import DeviceCost
 from backends.engine import Engine, EngineConfig
 from backends.errors import PromptError
 from backends.events import Done, Event, StepEnd, Token
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
+from backends.strategies.auto.choose import TRYING
+from backends.strategies.auto.state import AutoState
+from auto_helpers import steep
 from engine_helpers import BATCH_NOISE, divergences_from_alone
 from stats_helpers import ALPHA, fits_law, outcome, target_law
 from test_lossless import PROMPT, PARAMS
@@ -180,3 +184,33 @@ def test_tokens_stream_per_request(tiny, pooled: Engine) -> None:
         assert tuple(e.id for e in out) == done.tokens
         assert "".join(e.text for e in out) + done.tail == done.text
         assert sum(isinstance(e, StepEnd) for e in events) == done.stats.target_forwards
+
+
+def test_beside_other_sequences_auto_makes_no_early_tries(tiny) -> None:
+    """Alone, a new engine tries the draft within its first steps (early tries on a larger budget: the draft
+    holds the prompt by then). Beside others a try makes the whole batch wait for what it drafts and for the
+    draft catching up on the conversation, so every try there is a steady one, paid in full from the 1% budget:
+    none in three requests' first 120 steps. The device is synthetic (each row as dear as a step, a draft
+    decode half a step), so the draft is tried, never chosen on its estimate, whatever the test machine's load."""
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1, n_seq_max=8,
+                                 n_parallel=3, cost_cache=None))
+    engine._cost = DeviceCost(steep(), 0.5)
+    options = StrategyOptions(memory=False, auto=AutoConfig(lookahead=False))
+    params = GenParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [engine.tokenize(t) for t in TEXTS[:3]]
+
+    def tries(jobs: int) -> int:
+        engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+        pool = SlotPool(engine)
+        events: list[list[Event]] = [[] for _ in range(jobs)]
+        for i in range(jobs):
+            pool.admit("auto", options, prompts[i], params, events[i].append)
+        while len(pool):
+            pool.step()
+        return sum(1 for e in sum(events, []) if isinstance(e, StepEnd) and e.why.endswith(TRYING))
+
+    try:
+        assert tries(1) > 0, "alone, a new engine tries the draft early"
+        assert tries(3) == 0, "beside others, no early tries"
+    finally:
+        engine.close()

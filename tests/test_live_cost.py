@@ -250,7 +250,7 @@ def test_learnt_keeps_each_lanes_curve_and_a_new_one_takes_it_up_when_seeded(tmp
     store = JsonStore(tmp_path / "learnt.json")
     lanes = {"target": SimpleNamespace(live=LiveCurve()), "draft": None}
     learnt = Learnt(store, lambda: "k", lanes)  # type: ignore[arg-type]
-    learnt.keep_timing(force=True)
+    learnt.flush(force=True)
     assert not store.path.exists(), "nothing learnt: nothing written"
     live = lanes["target"].live
     live.seed(LINEAR)
@@ -259,10 +259,14 @@ def test_learnt_keeps_each_lanes_curve_and_a_new_one_takes_it_up_when_seeded(tmp
     learnt.keep("auto.greedy", {"saved_at": time.time()})  # a generation's end
     assert set(json.loads(store.path.read_text())) == {"auto.greedy:k", "live:target:k"}
     live.observe(2, 2 * LINEAR[1])
-    learnt.keep("auto.greedy", {"saved_at": time.time()})
+    state = {"saved_at": time.time(), "steps": 1}
+    learnt.keep("auto.greedy", lambda: dict(state))  # made when written: the latest state then
+    state["steps"] = 2
     assert learnt.kept("live:target")["offset"] != live.to_json()["offset"], "not again within the minute"
-    learnt.keep_timing(force=True)  # the engine closes
+    assert "steps" not in learnt.kept("auto.greedy"), "what strategies keep waits too"
+    learnt.flush(force=True)  # the engine closes
     assert learnt.kept("live:target")["offset"] == live.to_json()["offset"]
+    assert learnt.kept("auto.greedy")["steps"] == 2
 
     def new_lane(afresh: bool = False) -> LiveCurve:
         lane = SimpleNamespace(live=LiveCurve())

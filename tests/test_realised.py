@@ -4,6 +4,7 @@ speculation does not pay, and the record kept for the next process (backends.slo
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -56,11 +57,16 @@ def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() 
         r.tick += 1
     probes = [i for i, a in enumerate(allowed) if a]
     assert probes and len(probes) <= 3, f"a probe per {STALE} stale ticks at most: {probes}"
+    # A probe that finds speculation losing as before keeps it held back at once: no unchecked ticks after it.
+    again = copy.deepcopy(r)
+    again.add(1, True, 1, 0.03)
+    again.tick += 1
+    assert again.pays(1) is False and not again.allows(1)
     # The machine changed: a probe's speculating tick now delivers twice the plain rate. Stale evidence
-    # weighs a quarter, so after the probe speculation is free again until there is evidence to judge.
+    # weighs a quarter in the rate, so the probe is judged with it and speculation runs again.
     r.add(1, True, 4, 0.02)
     r.tick += 1
-    assert r.pays(1) is None and r.allows(1)
+    assert r.pays(1) is True and r.allows(1)
     _ticks(r, int(MIN_SPECULATED) + 2, 1, True, 4, 0.02)
     assert r.pays(1) is True
 
@@ -188,10 +194,10 @@ def test_a_new_scheduler_starts_from_the_record_kept_and_a_bench_from_nothing(tm
     learnt = Learnt(store, lambda: "k")
     scheduler = Scheduler(None, learnt)
     assert scheduler.load.realised.tick == 0
-    learnt.keep_timing(force=True)
+    learnt.flush(force=True)
     assert not store.path.exists(), "nothing learnt: nothing written"
     scheduler.load.realised = _losing_at_2()  # (what its ticks would have recorded)
-    learnt.keep_timing(force=True)
+    learnt.flush(force=True)
     assert Scheduler(None, Learnt(store, lambda: "k")).load.realised.pays(2) is False
     bench = Learnt(store, lambda: "k")
     bench.afresh()

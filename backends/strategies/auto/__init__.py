@@ -71,7 +71,7 @@ class AutoDecoding(StepMachine):
         # The learnt state is kept for later sessions, and a device cost not yet known is measured, before Done
         # is handed on (a consumer may stop there).
         def done() -> None:
-            self.slot.learnt.keep(name, gen.state.to_json())
+            self.slot.learnt.keep(name, gen.state.to_json)
             gen.measure_after()
 
         return drive(gen.run, gen.prefill, gen.step, should_stop, on_done=done)

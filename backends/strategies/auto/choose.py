@@ -163,16 +163,20 @@ class Chooser:
         st = self.state
         if self.costs.curve is None:
             return None
+        # Beside other sequences every try is a steady one: the batch waits for what it drafts and for the
+        # draft catching up on the conversation (which under load it has not decoded: a try there cost five
+        # ticks of everyone's time, measured), so no early tries on a larger budget.
+        alone = self.costs.batch()[0] <= 1
         for o in options:
             if o.option == best.option:
                 continue
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
             taken = st.taken.get(o.option, 0)
-            early = taken < EARLY_TRIES
-            if not early:  # a try pays its switch in full; the early tries come once per engine, so what
-                extra += o.switch  # the draft catches up on then is bounded
-            interval = explore_interval(self.cfg.explore_budget, extra / t_plain, len(options), taken,
-                                        st.backoff.get(o.option, 0))
+            early = taken < EARLY_TRIES and alone
+            if not early:  # a try pays its switch in full; the early tries come once per engine, alone, so
+                extra += o.switch  # what the draft catches up on then is bounded
+            interval = explore_interval(self.cfg.explore_budget, extra / t_plain, len(options),
+                                        taken if alone else max(taken, EARLY_TRIES), st.backoff.get(o.option, 0))
             if st.since.get(o.option, 0) >= interval:
                 length = self._try_length(o, early)
                 nodes = tuple(props.tree.likeliest_path(props.tree_accept, length)) if o.option == MEMORY else ()
