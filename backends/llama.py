@@ -111,7 +111,7 @@ class LlamaModel:
         self.n_embd: int = llama_cpp.llama_model_n_embd(ptr)
         # MTP layers loaded with the model (0 when the file has none or they were not asked for).
         self.n_layer_nextn: int = int(llama_cpp.llama_model_n_layer_nextn(ptr)) if load_mtp else 0
-        self._piece_cache: dict[int, bytes] = {}
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
 
     @property
     def ptr(self) -> ctypes.c_void_p:
@@ -130,18 +130,18 @@ class LlamaModel:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
 
-    def piece(self, token: int) -> bytes:
-        """The bytes this token adds to the text (special tokens render as nothing)."""
-        cached = self._piece_cache.get(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes this token adds to the text; a control token renders as nothing unless `special`."""
+        cached = self._piece_cache.get((token, special))
         if cached is not None:
             return cached
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         out = buf.raw[:n]
-        self._piece_cache[token] = out
+        self._piece_cache[(token, special)] = out
         return out
 
     def detokenize(self, tokens: Sequence[int]) -> str:

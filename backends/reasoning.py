@@ -48,6 +48,7 @@ from backends.events import Channel, Done, Event, GenStats, Prefilled, Token
 from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter, is_harmony
 from backends.sampling import GenParams
 from backends.steps import Steps, relay, run_solo
+from backends.text import rendering
 
 if TYPE_CHECKING:  # not at run time: app.prompt_format imports this, and `specchat --help` must not load llama.cpp
     from backends.llama import LlamaModel
@@ -84,6 +85,11 @@ class ReasoningFormat:
     def __post_init__(self) -> None:
         if not self.start or not self.end or self.start == self.end:
             raise ValueError("a reasoning format needs two different, non-empty tags")
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """What the output's text must show, even where the vocabulary has it as control tokens (backends.text)."""
+        return self.start, self.end, self.after
 
 
 # gpt-oss: its analysis channel is the reasoning, ended by <|end|>, and the final channel's header follows.
@@ -292,24 +298,25 @@ class Thinking:
     def _tokens(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
-    def _ended_by_tag(self, done: Done, tag: str) -> bool:
+    @staticmethod
+    def _ended_by_tag(done: Done, tag: str, piece: Callable[[int], bytes]) -> bool:
         """Whether a phase that stopped at a stop string stopped at `tag` (not at one of the user's)."""
-        text = b"".join(self.model.piece(t) for t in done.tokens).decode("utf-8", errors="replace")
+        text = b"".join(piece(t) for t in done.tokens).decode("utf-8", errors="replace")
         return text[len(done.text):].startswith(tag)
 
-    def _unwritten(self, text: str, prompt: list[int]) -> str:
+    @staticmethod
+    def _unwritten(text: str, prompt: list[int], piece: Callable[[int], bytes]) -> str:
         """`text` less its beginning that the prompt ends with (gpt-oss's prompt ends in `<|start|>assistant`)."""
-        tail = b"".join(self.model.piece(t) for t in prompt[-32:]).decode("utf-8", errors="replace")
+        tail = b"".join(piece(t) for t in prompt[-32:]).decode("utf-8", errors="replace")
         return text[next((k for k in range(len(text), 0, -1) if tail.endswith(text[:k])), 0):]
 
     def _phases(self, prompt: list[int], params: GenParams, should_stop: Callable[[], bool]) -> Steps:
         fmt = params.reasoning
         assert fmt is not None
         splitter = new_splitter(fmt)
-        # A tag that is one control token renders as nothing (LlamaModel.piece): its text is put back for the
-        # splitter (the end tag then ends the thinking phase only at the answer's end, not as a stop string).
-        invisible = {ids[0]: tag for tag in (fmt.start, fmt.end)
-                     if len(ids := self._tokens(tag)) == 1 and not self.model.piece(ids[0])}
+        # The tags as the output's text shows them, control tokens included (backends.text.rendering; the
+        # strategies' runs render them so too, so that the end tag ends the thinking phase as a stop string).
+        piece = rendering(self.model, fmt.tags)
         ends: list[Done] = []
         # Text a phase's Done released with no token to carry it (held back as a stop string's possible start):
         # handed on with the next token, or in the last Done's tail, so that the pieces still make the whole.
@@ -327,7 +334,7 @@ class Thinking:
                 if event.kind == "rejected":
                     yield replace(event, channel=splitter.channel)
                     return
-                reasoning, content = splitter.push(event.text or invisible.get(event.id, ""))
+                reasoning, content = splitter.push(event.text)
                 reasoning, content = carry[0] + reasoning, carry[1] + content
                 carry[:] = ["", ""]
                 yield replace(event, text=content, reasoning=reasoning, channel=splitter.channel)
@@ -349,7 +356,7 @@ class Thinking:
         if params.grammar is not None and not fmt.opened:
             # A grammar from the first token: the model cannot open a block, so the answer is all there is.
             splitter.close()
-            header = self._unwritten(fmt.after, prompt) if fmt.after.strip() else ""
+            header = self._unwritten(fmt.after, prompt, piece) if fmt.after.strip() else ""
             if not header:
                 yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
                 yield self._done(prompt, ends[-1], [], None, splitter, carry)
@@ -364,7 +371,7 @@ class Thinking:
             yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
             first = ends[-1]
             carried(splitter.push(first.tail))
-            if first.reason == "stop" and self._ended_by_tag(first, fmt.end):
+            if first.reason == "stop" and self._ended_by_tag(first, fmt.end, piece):
                 carried((splitter.close(), ""))
                 header = fmt.after if params.grammar is not None and fmt.after.strip() else ""
             elif first.reason != "length" or len(first.tokens) >= params.max_tokens:

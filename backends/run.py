@@ -23,7 +23,7 @@ from backends.grammar import Constraint
 from backends.kv import KvSequence
 from backends.llama import LlamaModel
 from backends.sampling import GenParams, log_probabilities, make_rng
-from backends.text import TextStream
+from backends.text import TextStream, rendering
 
 
 class Run:
@@ -44,7 +44,9 @@ class Run:
         self.n_prompt = len(prompt)
         self.output: list[int] = []
         self.reason: DoneReason | None = None
-        self._stream = TextStream(model.piece, params.stop)
+        # A thinking model's tags are text even where its vocabulary has them as control tokens (backends.text).
+        self._piece = rendering(model, params.reasoning.tags) if params.reasoning is not None else model.piece
+        self._stream = TextStream(self._piece, params.stop)
         self._n_cached = 0
         self._prompt_seconds = 0.0
         self._t0 = time.perf_counter()
@@ -179,7 +181,7 @@ class Run:
         return events
 
     def rejected(self, token: int, source: Source) -> Token:
-        return Token(token, self.model.piece(token).decode("utf-8", errors="replace"), REJECTED, source=source)
+        return Token(token, self._piece(token).decode("utf-8", errors="replace"), REJECTED, source=source)
 
     def end_step(self, drafted: int, accepted: int, choice: str, why: str = "") -> StepEnd:
         self.forwards += 1

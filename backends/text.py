@@ -5,12 +5,35 @@ an incremental UTF-8 decoder that keeps an incomplete sequence until the token
 that completes it arrives. Stop strings are matched on the decoded text; text
 that could still turn out to be the start of a stop string is held back
 until it cannot (as llama.cpp's server and llama-cpp-python do).
+
+A control token renders as nothing, which is right for an end-of-turn token
+and wrong for a thinking model's tags where its vocabulary has them as
+control tokens: the tag would never be seen, so never end the thinking as a
+stop string, nor split the answer from it. `rendering` renders those tags'
+tokens as their text, as llama-server renders a format's `preserved_tokens`
+(tools/server/server-context.cpp, accept_special_token).
 """
 
 from __future__ import annotations
 
 import codecs
-from typing import Callable
+from typing import Callable, Protocol, Sequence
+
+
+class Vocabulary(Protocol):
+    def tokenize(self, text: str, add_special: bool = ..., parse_special: bool = ...) -> list[int]: ...
+
+    def piece(self, token: int, special: bool = False) -> bytes: ...
+
+
+def rendering(model: Vocabulary, tags: Sequence[str]) -> Callable[[int], bytes]:
+    """The pieces of `model`'s tokens, with the tokens of `tags` that are control tokens (which render as
+    nothing) rendered as their text; `model.piece` itself when there are none."""
+    kept = frozenset(t for tag in tags if tag for t in model.tokenize(tag, add_special=False, parse_special=True)
+                     if not model.piece(t) and model.piece(t, True))
+    if not kept:
+        return model.piece
+    return lambda token: model.piece(token, token in kept)
 
 
 class TextStream:

@@ -31,12 +31,14 @@ class Vocab:
     types: tuple[int, ...]
 
 
-def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True, space: bool = False) -> Vocab:
-    """<unk>, <s>, </s>, optionally the 256 byte tokens, then '▁word' and 'word' pieces; with `space`, a '▁'
-    token too, so that a space is spelt as SentencePiece models spell it (without it, llama.cpp's SentencePiece
-    tokenizer spells " " as the three bytes of '▁', which no grammar engine can read back as a space)."""
-    tokens: list[str] = ["<unk>", "<s>", "</s>"]
-    types = [_UNKNOWN, _CONTROL, _CONTROL]
+def spm_vocab(words: tuple[str, ...] = WORDS, with_bytes: bool = True, space: bool = False,
+              control: tuple[str, ...] = ()) -> Vocab:
+    """<unk>, <s>, </s>, the `control` tokens (a chat format's tags, as control tokens: they render as nothing),
+    optionally the 256 byte tokens, then '▁word' and 'word' pieces; with `space`, a '▁' token too, so that a
+    space is spelt as SentencePiece models spell it (without it, llama.cpp's SentencePiece tokenizer spells " "
+    as the three bytes of '▁', which no grammar engine can read back as a space)."""
+    tokens: list[str] = ["<unk>", "<s>", "</s>", *control]
+    types = [_UNKNOWN, _CONTROL, _CONTROL, *[_CONTROL] * len(control)]
     if with_bytes:
         tokens += [f"<0x{b:02X}>" for b in range(256)]
         types += [_BYTE] * 256

@@ -42,6 +42,7 @@ from backends.events import REJECTED, Done, GenStats, Prefilled, Token
 from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter
 from backends.reasoning import HARMONY, ReasoningFormat, Thinking, detect_format, new_splitter, split
 from backends.sampling import GenParams
+from backends.text import rendering
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = (ROOT / "tests" / "data" / "templates" / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8")
@@ -196,11 +197,13 @@ VOCAB = {"<|channel|>": 1, "analysis": 2, "<|message|>": 3, "plan": 4, "<|end|>"
 
 
 class Model:
-    """A tokenizer over VOCAB (greedy, longest first); `<|end|>` renders as nothing (a control token), or as
-    itself with `end_visible` (a vocabulary that spells it)."""
+    """A tokenizer over VOCAB (greedy, longest first); `<|end|>` a control token (rendered as nothing unless
+    `special`, as llama.cpp's token_to_piece), or an ordinary one with `end_visible` (as llama.cpp 0.3.36 makes
+    it in gpt-oss's own vocabulary: tests/test_control_tags.py)."""
 
     def __init__(self, end_visible: bool = False) -> None:
         self.pieces = {i: ("" if t == "<|end|>" and not end_visible else t).encode() for t, i in VOCAB.items()}
+        self.special = {i: t.encode() for t, i in VOCAB.items()}
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         out = []
@@ -210,13 +213,13 @@ class Model:
             text = text[len(tag):]
         return out
 
-    def piece(self, token: int) -> bytes:
-        return self.pieces[token]
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return (self.special if special else self.pieces)[token]
 
 
 class Inner:
     """A strategy that writes `script(prompt)`, up to max_tokens, and stops at a stop string as strategies do
-    (the tokens include the stop's, the text does not)."""
+    (the tokens include the stop's, the text does not), its text rendered as their runs render it."""
 
     name = "ar"
 
@@ -226,12 +229,15 @@ class Inner:
     def steps(self, prompt, params, should_stop):
         yield Prefilled(len(prompt), 0.0)
         out, text, reason = [], "", "eos"
+        render = rendering(self.model, params.reasoning.tags) if params.reasoning is not None else self.model.piece
         for tok in self.script(prompt)[:params.max_tokens]:
             out.append(tok)
-            piece = self.model.piece(tok).decode()
+            piece = render(tok).decode()
             stop = next((s for s in params.stop if (text + piece).endswith(s)), None)
-            if stop is not None:
-                text, reason = (text + piece)[:-len(stop)], "stop"
+            if stop is not None:  # its token is handed on, with what its text released before the stop
+                released = (text + piece)[:-len(stop)]
+                yield Token(tok, released[len(text):], "target")
+                text, reason = released, "stop"
                 break
             yield Token(tok, piece, "target")
             text += piece
@@ -248,13 +254,14 @@ def _generate(model: Model, script, params: GenParams, prompt=(6, 7)) -> tuple[l
 
 
 def test_a_one_token_end_that_renders_as_nothing_still_ends_the_analysis() -> None:
-    """gpt-oss's `<|end|>` is a control token (its piece is empty; `<|channel|>`, `<|message|>`, `<|start|>` render,
-    llama.cpp's vocabulary marks them so): the wrapper puts its text back for the splitter."""
+    """An `<|end|>` that is a control token (its piece is empty) is rendered as its text where the format is in
+    use (backends.text.rendering): it ends the analysis as a stop string, and the final message follows."""
     model = Model()
     out = [1, 2, 3, 4, 5, 6, 7, 1, 8, 3, 9]
-    tokens, done = _generate(model, lambda prompt: out, GenParams(max_tokens=32, reasoning=HARMONY))
+    tokens, done = _generate(model, lambda prompt: out[len(prompt) - 2:], GenParams(max_tokens=32, reasoning=HARMONY))
     assert (done.reasoning, done.text, done.tokens) == ("plan", "answer", tuple(out))
-    assert [t.channel for t in tokens] == ["content", "content", "reasoning", "reasoning"] + ["content"] * 7
+    # The end tag's token ends the analysis: handed on in its channel, as a multi-token tag's last token is.
+    assert [t.channel for t in tokens] == ["content", "content"] + ["reasoning"] * 3 + ["content"] * 6
     assert "".join(t.reasoning for t in tokens) == "plan" and "".join(t.text for t in tokens) == "answer"
 
 

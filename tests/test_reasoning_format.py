@@ -286,20 +286,23 @@ def test_detected_format_splits_its_own_generation(case: TemplateCase) -> None:
 
 def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() -> None:
     """Where `<think>` and `</think>` are control tokens (their pieces are empty, as LlamaModel.piece renders
-    special tokens), the wrapper puts their text back for the splitter. Pure logic: a stand-in model and a
-    stand-in strategy that emits fixed tokens."""
+    them without `special`), the runs render them as text for the splitter (backends.text.rendering). Pure
+    logic: a stand-in model and a stand-in strategy that emits fixed tokens as a run renders them; the same on
+    a real vocabulary: tests/test_control_tags.py."""
     from backends.events import Done, GenStats, Prefilled, Token
     from backends.reasoning import Thinking
     from backends.sampling import GenParams
+    from backends.text import rendering
 
     pieces = {1: b"", 2: b"", 3: b"plan", 4: b" answer"}
+    special = {**pieces, 1: b"<think>", 2: b"</think>"}
 
     class Model:
         def tokenize(self, text, add_special=False, parse_special=True):
             return {"<think>": [1], "</think>": [2]}.get(text, [9])
 
-        def piece(self, token):
-            return pieces.get(token, b"?")
+        def piece(self, token, special_=False):
+            return (special if special_ else pieces).get(token, b"?")
 
     class Inner:
         name = "ar"
@@ -307,13 +310,15 @@ def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() 
         def steps(self, prompt, params, should_stop):
             yield Prefilled(len(prompt), 0.0)
             out = [1, 3, 2, 4]
+            render = rendering(model, params.reasoning.tags)
             for tok in out:
-                yield Token(tok, pieces[tok].decode(), "target")
+                yield Token(tok, render(tok).decode(), "target")
             yield Done("eos", GenStats("ar", len(prompt), 0, 0.0, len(out), 0.0, len(out), 0, 0), tuple(out),
                        "plan answer")
 
     fmt = ReasoningFormat("<think>", "</think>")
-    events = list(Thinking(Inner(), Model()).generate([5], GenParams(max_tokens=8, reasoning=fmt)))
+    model = Model()
+    events = list(Thinking(Inner(), model).generate([5], GenParams(max_tokens=8, reasoning=fmt)))
     done = events[-1]
     assert (done.reasoning, done.text) == ("plan", "answer")
     assert [e.channel for e in events if isinstance(e, Token)] == ["reasoning", "reasoning", "content", "content"]
