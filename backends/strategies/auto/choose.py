@@ -37,8 +37,9 @@ from backends.kv import KvSequence
 from backends.pricing import best_subtree, path_reach
 from backends.run import Run
 from backends.strategies.auto.costs import CostModel
-from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, SWITCH_HORIZON,
-                                            TRY_DRAFT_MAX, Choice, best_chain_length, explore_interval)
+from backends.strategies.auto.decide import (DRAFT, EARLY_INTERVAL, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN,
+                                            SWITCH_HORIZON, TRY_DRAFT_MAX, Choice, best_chain_length,
+                                            explore_interval)
 from backends.strategies.auto.proposals import CandidateTree
 from backends.strategies.auto.state import AutoState, Calibration, confidence_bin, lookup_key
 
@@ -48,6 +49,14 @@ if TYPE_CHECKING:
 # Tokens the draft lags behind the context at the start of a draft step that follows one: the last
 # drafted token (never decoded on the draft) and the target's bonus or correction token.
 CHAIN_LAG = 2
+# An early try of the draft waits until the draft is at most this many tokens behind (the early tries' longest
+# wait, counted from a generation's first step, where it took the prompt, or from the last try): it then pays
+# the catch-up of those steps, not the conversation's (measured alone at 0.8 on the SmolLM2 pair, early tries
+# that caught the draft up on whole conversations cost 0.29 s each, ten plain steps).
+EARLY_LAG = (EARLY_INTERVAL << (EARLY_TRIES - 1)) + CHAIN_LAG
+# The draft counts as in use (it takes each new prompt alone, .generation) while it was taken within this many
+# steps, or is still to be tried early.
+IN_USE = 64
 # Before it is measured, a caught-up token costs this share of one draft decode (a batched decode of
 # many tokens costs far less per token than decoding them one by one).
 CATCH_UP_PRIOR = 0.15
@@ -173,6 +182,8 @@ class Chooser:
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
             taken = st.taken.get(o.option, 0)
             early = taken < EARLY_TRIES and alone
+            if early and o.option == DRAFT and self.lag() > EARLY_LAG:
+                continue  # until a generation's first steps, where the draft holds the prompt
             if not early:  # a try pays its switch in full; the early tries come once per engine, alone, so
                 extra += o.switch  # what the draft catches up on then is bounded
             interval = explore_interval(self.cfg.explore_budget, extra / t_plain, len(options),
@@ -191,6 +202,16 @@ class Chooser:
             return min(o.length, self.sps.draft_max if early else min(self.sps.draft_max, TRY_DRAFT_MAX))
         return max(1, min(o.length, 2))
 
+    def lag(self) -> int:
+        """Tokens of the context the draft has not decoded."""
+        assert self.draft is not None
+        return len(self.run.context) - len(self.draft.tokens)
+
+    def draft_in_use(self) -> bool:
+        """Whether the draft was taken lately (in this session), or is still to be tried early."""
+        st = self.state
+        return st.taken.get(DRAFT, 0) < EARLY_TRIES or st.since.get(DRAFT, IN_USE) < IN_USE
+
     def catch_up_seconds(self, t_plain: float) -> float:
         """Expected time for the draft to catch up on the tokens it missed, were it used now.
 
@@ -205,9 +226,7 @@ class Chooser:
         tries leave it out: they come once per engine, within its first ~120
         steps, so what they catch up on is bounded.
         """
-        draft = self.draft
-        assert draft is not None
-        lag = len(self.run.context) - len(draft.tokens)
+        lag = self.lag()
         if lag <= CHAIN_LAG:
             return 0.0
         per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.costs.t_draft_alone(t_plain))

@@ -151,12 +151,14 @@ class Generation:
         self.costs.learn(st.seconds, time.perf_counter() - t0)
         run.extra.update(self.stats())
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
-                and len(self.draft.tokens) < len(self.prompt) - 1:
+                and len(self.draft.tokens) < len(self.prompt) - 1 and self.chooser.draft_in_use():
             # Alone, the draft takes the prompt now, once the first tokens were handed on (not before them, where
-            # it would delay the first token by its own prompt decode), so that its first tries find it caught up.
-            # Beside others it waits until it is used (its catch-up is priced then, for the whole batch): every
-            # sequence would wait for its prompt, and under load it seldom pays. Without a known device cost this
-            # answer speculates not at all (measure_after), so the draft waits for the next one.
+            # it would delay the first token by its own prompt decode), so that its first tries find it caught up:
+            # while it is in use or still to be tried early. A draft found not to pay does not (its prompt cost
+            # 3% of a run where it was never used, measured); were it chosen or tried later, its catch-up is
+            # priced then. Beside others it waits until it is used (its catch-up is priced then, for the whole
+            # batch): every sequence would wait for its prompt, and under load it seldom pays. Without a known
+            # device cost this answer speculates not at all (measure_after), so the draft waits for the next one.
             yield from self.draft.syncing(self.prompt[:-1], logits=False)
 
     def _count(self, choice: Choice) -> None:
@@ -260,6 +262,7 @@ class Generation:
         rule = PMin(self.sps.p_min, first_always=True) if explore else DraftPays(st, self.costs, k_max)
         t_draft = self.costs.t_draft(self.costs.t_plain())
         t0 = time.perf_counter()
+        draft.plan(k_max)  # a block drafter's block (backends.dflash)
         lag = len(self.run.context) - (yield from draft.syncing(self.run.context))
         if lag > CHAIN_LAG:
             # The draft catches up on tokens decoded while it stood by (plain or lookup steps). That is a
