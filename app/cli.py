@@ -31,7 +31,7 @@ from app.grammar_flags import add_grammar_flags, grammar_from_flags
 from app.loading import open_engine
 from app.prompt_format import PromptFormat
 from app.render import LEGEND, TextView, event_json, stats_lines
-from app.settings import CHAT_TEMPERATURE, Settings, apply_flags
+from app.settings import CHAT_TEMPERATURE, REASONING_EFFORTS, Settings, apply_flags
 from backends.config import MEMORY_TOKENS, StrategyOptions
 from backends.events import Done
 from backends.registry import DEFAULT_STRATEGY, REGISTRY, n_seq_needed, require_draft
@@ -79,6 +79,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
                    help="answer without thinking first (a template that takes enable_thinking)")
     t.add_argument("--reasoning-budget", type=int, default=None, metavar="N",
                    help="end the thinking after N tokens; the answer follows (default: no bound)")
+    t.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, default=None,
+                   help="how hard to think, for a template that reads reasoning_effort (gpt-oss); default: its own")
     add_strategy_flags(p.add_argument_group("speculation"))
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
@@ -317,9 +319,13 @@ def generate(args: argparse.Namespace) -> int:
         prompt_format = PromptFormat(engine)
         kwargs = None
         if not raw and prompt_format.reasoning is not None:
-            kwargs = prompt_format.thinking_kwargs(settings.thinking)
+            kwargs = prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
             params = replace(params, reasoning=prompt_format.reasoning_for([ChatMessage("user", prompt_text)],
                                                                            settings.system_prompt, kwargs=kwargs))
+        elif settings.reasoning_effort is not None:  # a model that does not think, or no template: said so
+            if raw:
+                raise UserError("--reasoning-effort needs the chat template; it cannot go with --no-conversation")
+            prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
         tokens = prompt_format.prompt(prompt_text, settings.system_prompt, raw=raw, kwargs=kwargs)
         color = sys.stdout.isatty() if args.color is None else args.color
         view = TextView(sys.stdout, color, reasoning=sys.stderr if getattr(args, "reasoning", "show") == "show"

@@ -51,10 +51,23 @@ class PromptFormat:
         except ChatTemplateError:
             return None
 
-    def thinking_kwargs(self, thinking: bool, kwargs: Mapping[str, object] | None = None) -> dict[str, object]:
-        """The template's variables for a request that asks for thinking on or off (llama-server's
-        `chat_template_kwargs` win); off on a template that cannot turn it off is a ThinkingError."""
-        out = {"enable_thinking": thinking, **(kwargs or {})}
+    @property
+    def takes_effort(self) -> bool:
+        """Whether the template reads `reasoning_effort` (gpt-oss's does)."""
+        return "reasoning_effort" in (self.template or "")
+
+    def thinking_kwargs(self, thinking: bool, kwargs: Mapping[str, object] | None = None,
+                        effort: str | None = None) -> dict[str, object]:
+        """The template's variables for a request that asks for thinking on or off, and for an effort (llama-server's
+        `chat_template_kwargs` win); off on a template that cannot turn it off, or an effort for one that reads
+        none, is a ThinkingError."""
+        out: dict[str, object] = {"enable_thinking": thinking}
+        if effort is not None:
+            if not self.takes_effort:
+                raise ThinkingError(f"{self.engine.config.target.name}: its chat template takes no reasoning_effort "
+                                    f"(gpt-oss's does); bound the thinking with a reasoning budget instead")
+            out["reasoning_effort"] = effort
+        out.update(kwargs or {})
         fmt = self.reasoning
         if fmt is not None and out.get("enable_thinking") is False and not fmt.can_disable:
             # gpt-oss's thinks less at reasoning_effort "low" (its template's variable: low, medium, high)
@@ -116,4 +129,4 @@ class PromptFormat:
 
 
 class ThinkingError(ChatTemplateError):
-    """Thinking asked off where the model's template cannot turn it off."""
+    """Thinking asked off where the model's template cannot turn it off, or an effort where it reads none."""

@@ -55,6 +55,7 @@ class TurnRequest:
     params: GenParams  # params.reasoning_budget bounds a thinking model's thinking
     options: StrategyOptions
     thinking: bool = True  # a thinking model thinks first (its template's enable_thinking)
+    reasoning_effort: str | None = None  # for a template that reads it (gpt-oss: low, medium, high)
 
 
 def estimated_cut(cost: Callable[[int], float], n_messages: int, new_cost: float, budget: float) -> int:
@@ -176,7 +177,9 @@ class ChatSession:
         thinking asked off where its template cannot turn it off is a ThinkingError (a ChatTemplateError)."""
         params, kwargs = request.params, None
         if self.format.reasoning is not None:
-            kwargs = self.format.thinking_kwargs(request.thinking)
+            # The effort where the template reads it: a setting kept across models is no error on the others.
+            effort = request.reasoning_effort if self.format.takes_effort else None
+            kwargs = self.format.thinking_kwargs(request.thinking, effort=effort)
         prompt = self.prompt_tokens(user_text, reserve=min(params.max_tokens, ANSWER_ROOM), kwargs=kwargs)
         if kwargs is not None:
             params = replace(params, reasoning=self.format.reasoning_for(self.kept, self.system_prompt, kwargs=kwargs))

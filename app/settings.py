@@ -36,6 +36,8 @@ CHAT_TEMPERATURE = 0.8
 CHAT_N_SEQ_MAX = 64
 
 T = TypeVar("T")
+# What gpt-oss's template reads as `reasoning_effort` (llama-server passes the field's value through).
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class Settings:
     # A thinking model thinks before it answers (its template's enable_thinking); its budget is
     # params.reasoning_budget (backends.reasoning).
     thinking: bool = True
+    # How hard a template that reads `reasoning_effort` (gpt-oss's: low, medium, high) thinks; None: its default.
+    reasoning_effort: str | None = None
     # The KV cells kept on disk (backends.kv_store): the chat app's conversations, the server's prompt cache;
     # its bound in bytes (0: off).
     kv_disk: int = DISK_BYTES
@@ -75,6 +79,8 @@ class Settings:
             raise ValueError("--memory-size must be at least 1000 tokens")
         if self.kv_disk < 0:
             raise ValueError("--kv-cache-disk must be 0 (off) or more")
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise ValueError(f"--reasoning-effort takes {', '.join(REASONING_EFFORTS)}; got {self.reasoning_effort!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("the thread count (-t) must be at least 1")
 
@@ -124,6 +130,7 @@ FLAG_PATHS: dict[str, tuple[str, ...]] = {
     "stop": ("params.stop",),
     "ignore_eos": ("params.ignore_eos",),
     "thinking": ("thinking",),
+    "reasoning_effort": ("reasoning_effort",),
     "reasoning_budget": ("params.reasoning_budget",),
     "kv_cache_disk": ("kv_disk",),
     "memory": ("memory",),

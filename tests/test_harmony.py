@@ -390,6 +390,20 @@ def test_thinking_off_is_refused_and_names_reasoning_effort(oss) -> None:
         PromptFormat(oss).thinking_kwargs(False)
 
 
+def test_reasoning_effort_reaches_the_template_and_is_refused_where_none_is_read(oss, instruct_pair) -> None:
+    """`--reasoning-effort` (run, chat): gpt-oss's template writes it into the system message; a template that
+    reads none (SmolLM2's own) refuses it in one line, exit 1 (a user's mistake)."""
+    from app.prompt_format import PromptFormat
+
+    fmt = PromptFormat(oss)
+    kwargs = fmt.thinking_kwargs(True, effort="low")
+    assert kwargs["reasoning_effort"] == "low"
+    assert "Reasoning: low" in fmt.render([ChatMessage("user", QUESTION)], kwargs=kwargs)
+    refused = _cli("-m", str(instruct_pair.target), "Hi", "-n", "2", "-t", "2", "--reasoning-effort", "low")
+    assert refused.returncode == 1 and "takes no reasoning_effort" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app", "run", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "SPECCHAT_MEMORY_DIR": ""})

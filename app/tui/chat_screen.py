@@ -225,7 +225,7 @@ class ChatScreen(Screen):
             return
         event.input.value = ""
         s = self.settings
-        request = TurnRequest(s.strategy, s.params, s.options, s.thinking)
+        request = TurnRequest(s.strategy, s.params, s.options, s.thinking, s.reasoning_effort)
         self.transcript.add(UserMessage(text))
         self._answer = AnswerView(s.speculation_view)
         self.transcript.add(self._answer)
