@@ -6,6 +6,16 @@ Each model names a GGUF repo on the Hugging Face Hub and a file glob with a
 as the repos list them. The RAM a pair needs is estimated as both files
 (llama.cpp maps the weights) plus both KV caches at a 4096-token context plus
 a fixed allowance for compute buffers and the process itself.
+
+A model may carry its own drafter (`"drafter"`): `{"kind": "mtp", "heads": N}`
+for a target whose file holds N MTP (NextN) layers after its trunk, which
+draft with no draft file (backends.mtp), or `"eagle3"` for an EAGLE-3 draft
+file, which runs beside its target and reads its hidden states
+(backends.eagle3). A pair names a target and a draft; its draft may be left
+out where the target carries an MTP head, and `"drafter"` on a pair
+("mtp" or "eagle3") says which of them the pair drafts with when the models do
+not say it themselves. Every malformed entry is refused in one line
+(`CatalogError`).
 """
 
 from __future__ import annotations
@@ -19,6 +29,19 @@ from typing import Any
 from models.errors import ModelError
 
 RUNTIME_OVERHEAD_GB = 0.5  # llama.cpp compute buffers + Python + the UI, measured order of magnitude
+MTP, EAGLE3, DRAFT = "mtp", "eagle3", "draft"  # how a pair drafts: the target's own head, an EAGLE-3 file, a model
+DRAFTER_KINDS = (MTP, EAGLE3)
+
+
+class CatalogError(ValueError):
+    """One malformed catalog entry, in one line."""
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """The drafter a catalog model carries: its own MTP head(s), or it is an EAGLE-3 draft."""
+    kind: str  # MTP or EAGLE3
+    heads: int = 0  # MTP layers in the file (mtp only)
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,15 @@ class CatalogModel:
     # think (backends.reasoning finds the same from the file's template at load).
     thinking: tuple[str, ...] = ()
     thinking_can_disable: bool = False
+    drafter: Drafter | None = None
+
+    @property
+    def mtp_heads(self) -> int:
+        return self.drafter.heads if self.drafter is not None and self.drafter.kind == MTP else 0
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.drafter is not None and self.drafter.kind == EAGLE3
 
     @property
     def thinking_note(self) -> str:
@@ -73,12 +105,34 @@ class CatalogModel:
 class CatalogPair:
     name: str
     target: CatalogModel
-    draft: CatalogModel
+    draft: CatalogModel | None  # None: the target's own MTP head drafts
     notes: str
+    drafter: str = DRAFT  # MTP, EAGLE3 or DRAFT (a plain draft model)
+
+    @property
+    def models(self) -> tuple[CatalogModel, ...]:
+        """What `models pull` fetches: the target, then the draft where there is one."""
+        return (self.target,) if self.draft is None else (self.target, self.draft)
+
+    @property
+    def drafter_label(self) -> str:
+        """How the pair drafts, in a few words ('' for a plain draft model)."""
+        return {MTP: "MTP head inside the target", EAGLE3: "EAGLE-3 draft"}.get(self.drafter, "")
+
+    @property
+    def drafter_note(self) -> str:
+        """How the pair drafts, in words, for listings."""
+        if self.drafter == MTP:
+            heads = self.target.mtp_heads
+            return f"MTP head inside the target ({heads} layer{'s' if heads > 1 else ''}; no draft file)"
+        if self.drafter == EAGLE3:
+            return "EAGLE-3 draft (a -md file that reads the target's hidden states)"
+        return "draft model"
 
     def ram_gb(self, target_quant: str | None = None, draft_quant: str | None = None) -> float | None:
-        """Approximate memory for running both models together, at a 4096-token context."""
-        t, d = self.target.ram_gb(target_quant), self.draft.ram_gb(draft_quant)
+        """Approximate memory for running the pair (both models, or the target and its head), 4096-token context."""
+        t = self.target.ram_gb(target_quant)
+        d = 0.0 if self.draft is None else self.draft.ram_gb(draft_quant)
         return None if t is None or d is None else t + d + RUNTIME_OVERHEAD_GB
 
 
@@ -94,35 +148,108 @@ class Catalog:
         return next((p for p in self.pairs if p.name == name.lower()), None)
 
     def by_repo(self, repo: str) -> CatalogModel | None:
-        return next((m for m in self.models if m.repo.lower() == repo.lower()), None)
+        """The catalog model of a repo; where a repo holds a model and its EAGLE-3 draft, the model."""
+        same = [m for m in self.models if m.repo.lower() == repo.lower()]
+        return next((m for m in same if not m.is_eagle3), same[0] if same else None)
 
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.pairs) + tuple(m.alias for m in self.models)
 
 
-def _model(alias: str, raw: dict[str, Any]) -> CatalogModel:
+def _drafter(alias: str, raw: Any) -> Drafter | None:
+    """`"eagle3"`, `"mtp"` (one head), `{"kind": "mtp", "heads": N}` or `{"kind": "eagle3"}`."""
+    if raw is None:
+        return None
+    spec = {"kind": raw} if isinstance(raw, str) else raw
+    if not isinstance(spec, dict) or spec.get("kind") not in DRAFTER_KINDS:
+        raise CatalogError(f"catalog model {alias}: drafter is \"eagle3\" or {{\"kind\": \"mtp\", \"heads\": N}}, "
+                           f"not {json.dumps(raw)}")
+    extra = set(spec) - {"kind", "heads"}
+    if extra:
+        raise CatalogError(f"catalog model {alias}: unknown drafter field(s) {', '.join(sorted(extra))}")
+    if spec["kind"] == EAGLE3:
+        if "heads" in spec:
+            raise CatalogError(f"catalog model {alias}: an EAGLE-3 draft has no heads (only an MTP drafter does)")
+        return Drafter(EAGLE3)
+    heads = spec.get("heads", 1)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise CatalogError(f"catalog model {alias}: an MTP drafter's heads is a whole number from 1, "
+                           f"not {json.dumps(heads)}")
+    return Drafter(MTP, heads)
+
+
+def _model(alias: str, raw: Any) -> CatalogModel:
+    if not isinstance(raw, dict):
+        raise CatalogError(f"catalog model {alias}: an object with repo, file, default_quant, sizes_gb and kv_gb")
+    missing = [k for k in ("repo", "file", "default_quant", "sizes_gb", "kv_gb") if k not in raw]
+    if missing:
+        raise CatalogError(f"catalog model {alias}: missing {', '.join(missing)}")
+    if not isinstance(raw["sizes_gb"], dict) or not raw["sizes_gb"] or not all(
+            isinstance(gb, (int, float)) and not isinstance(gb, bool) for gb in raw["sizes_gb"].values()):
+        raise CatalogError(f"catalog model {alias}: sizes_gb maps each quantization to its file size in GB")
     sizes = sorted(raw["sizes_gb"].items(), key=lambda kv: -kv[1])
+    thinking = raw.get("thinking", {})
     model = CatalogModel(
         alias=alias, repo=raw["repo"], file=raw["file"], default_quant=raw["default_quant"],
         sizes_gb=tuple((q, float(gb)) for q, gb in sizes), kv_gb=float(raw["kv_gb"]), notes=raw.get("notes", ""),
-        thinking=tuple(raw.get("thinking", {}).get("tags", ())),
-        thinking_can_disable=bool(raw.get("thinking", {}).get("can_disable", False)),
+        thinking=tuple(thinking.get("tags", ())), thinking_can_disable=bool(thinking.get("can_disable", False)),
+        drafter=_drafter(alias, raw.get("drafter")),
     )
     if model.thinking and len(model.thinking) != 2:
-        raise ValueError(f"catalog model {alias}: thinking tags are a start and an end tag")
+        raise CatalogError(f"catalog model {alias}: thinking tags are a start and an end tag")
     if "{quant}" not in model.file or model.default_quant not in model.quants:
-        raise ValueError(f"catalog model {alias}: file needs {{quant}} and default_quant must be listed in sizes_gb")
+        raise CatalogError(f"catalog model {alias}: file needs {{quant}} and default_quant must be listed in "
+                           "sizes_gb")
     return model
 
 
-def parse_catalog(data: dict[str, Any]) -> Catalog:
+def _pair(raw: Any, models: dict[str, CatalogModel]) -> CatalogPair:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
+        raise CatalogError(f"catalog pair {json.dumps(raw)}: needs a name")
+    name = raw["name"]
+    if "target" not in raw:
+        raise CatalogError(f"catalog pair {name}: needs a target")
+    picked = {}
+    for role in ("target", "draft"):
+        if raw.get(role) is not None:
+            if raw[role] not in models:
+                raise CatalogError(f"catalog pair {name}: its {role} {raw[role]!r} is not a catalog model")
+            picked[role] = models[raw[role]]
+    target, draft = picked["target"], picked.get("draft")
+    said = raw.get("drafter")
+    if said is not None and said not in DRAFTER_KINDS:
+        raise CatalogError(f"catalog pair {name}: drafter is \"mtp\" or \"eagle3\", not {json.dumps(said)}")
+    if target.is_eagle3:
+        raise CatalogError(f"catalog pair {name}: its target {target.alias} is an EAGLE-3 draft, which runs only "
+                           "beside a target")
+    if draft is None:
+        if said == EAGLE3:
+            raise CatalogError(f"catalog pair {name}: an EAGLE-3 pair names its draft")
+        if not target.mtp_heads:
+            raise CatalogError(f"catalog pair {name}: no draft, and its target {target.alias} carries no MTP head "
+                               "(name a draft, or give the target a drafter {\"kind\": \"mtp\"})")
+        return CatalogPair(name, target, None, raw.get("notes", ""), MTP)
+    if said == MTP:
+        raise CatalogError(f"catalog pair {name}: it drafts with the target's MTP head, so it names no draft")
+    if said == EAGLE3 and draft.drafter is not None and not draft.is_eagle3:
+        raise CatalogError(f"catalog pair {name}: its draft {draft.alias} carries an MTP head, not an EAGLE-3 draft")
+    kind = EAGLE3 if draft.is_eagle3 or said == EAGLE3 else DRAFT
+    return CatalogPair(name, target, draft, raw.get("notes", ""), kind)
+
+
+def parse_catalog(data: Any) -> Catalog:
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict) \
+            or not isinstance(data.get("pairs"), list):
+        raise CatalogError("the catalog is an object with \"models\" (alias -> model) and \"pairs\" (a list)")
     models = {alias: _model(alias, raw) for alias, raw in data["models"].items()}
-    pairs = tuple(
-        CatalogPair(p["name"], models[p["target"]], models[p["draft"]], p.get("notes", "")) for p in data["pairs"]
-    )
-    clash = set(models) & {p.name for p in pairs}
+    pairs = tuple(_pair(p, models) for p in data["pairs"])
+    names = [p.name for p in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CatalogError(f"catalog pair names used twice: {twice}")
+    clash = set(models) & set(names)
     if clash:
-        raise ValueError(f"catalog names used for both a model and a pair: {sorted(clash)}")
+        raise CatalogError(f"catalog names used for both a model and a pair: {sorted(clash)}")
     return Catalog(tuple(models.values()), pairs)
 
 

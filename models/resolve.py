@@ -5,7 +5,9 @@ A reference is one of:
   - an alias in the local store (models.store): pulled or derived models;
   - a catalog alias (models/catalog.json), optionally with a quantization:
     `qwen2.5-7b-instruct`, `qwen2.5-7b-instruct:Q8_0`; a catalog pair name
-    (`qwen2.5`) names both models for `models pull`;
+    (`qwen2.5`) names both models for `models pull`, and a pair that drafts
+    with its target's own MTP head (`qwen3.5-mtp`) names the target alone, so
+    it also resolves to that file;
   - `hf:OWNER/REPO[:QUANT]` or `hf:OWNER/REPO:FILE.gguf`;
   - a path to a .gguf file.
 Catalog and hf: references resolve from the local Hugging Face cache only (no
@@ -45,7 +47,8 @@ def _catalog_model(model: CatalogModel, quant: str | None) -> HubModel:
 
 
 def hub_models(ref: str, quant: str | None = None) -> tuple[HubModel, ...] | None:
-    """What a catalog or hf: reference names on the Hub (a pair: target then draft); None for other references.
+    """What a catalog or hf: reference names on the Hub (a pair: target then draft, or the target alone where its
+    MTP head drafts); None for other references.
 
     `quant` overrides the reference's own; for a pair it applies to the target.
     """
@@ -64,7 +67,7 @@ def hub_models(ref: str, quant: str | None = None) -> tuple[HubModel, ...] | Non
     q = quant or ref_quant or None
     pair = catalog.pair(name)
     if pair is not None:
-        return (_catalog_model(pair.target, q), _catalog_model(pair.draft, None))
+        return tuple(_catalog_model(m, q if m is pair.target else None) for m in pair.models)
     model = catalog.model(name)
     return None if model is None else (_catalog_model(model, q),)
 

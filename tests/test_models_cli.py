@@ -30,16 +30,19 @@ def test_pairs_lists_the_packaged_catalog_with_sizes_and_ram(capsys) -> None:
     raw = json.loads(resources.files("models").joinpath("catalog.json").read_text())
     rc, out, err = _cli(capsys, "models", "pairs")
     assert rc == 0, err
-    assert len(raw["pairs"]) == 5
+    assert len(raw["pairs"]) == 7
     for pair in raw["pairs"]:
-        t, d = raw["models"][pair["target"]], raw["models"][pair["draft"]]
-        ram = t["sizes_gb"][t["default_quant"]] + t["kv_gb"] + d["sizes_gb"][d["default_quant"]] + d["kv_gb"]
+        roles = [(raw["models"][pair[role]], pair[role]) for role in ("target", "draft") if pair.get(role)]
+        ram = sum(m["sizes_gb"][m["default_quant"]] + m["kv_gb"] for m, _alias in roles)
         assert f"{pair['name']}: ~{ram + RUNTIME_OVERHEAD_GB:.1f} GB RAM" in out
-        for m, alias in ((t, pair["target"]), (d, pair["draft"])):
-            line = next(line for line in out.splitlines() if f" {alias} " in line)
+        for m, alias in roles:
+            line = next(line for line in out.splitlines()
+                        if line.startswith(("  target ", "  draft ")) and f" {alias} " in line)
             assert m["repo"] in line and m["default_quant"] in line
             assert f"{m['sizes_gb'][m['default_quant']]:.2f} GB" in line
-        assert t["sizes_gb"][t["default_quant"]] > d["sizes_gb"][d["default_quant"]]  # drafts are the small ones
+        if len(roles) == 2:
+            (t, _), (d, _) = roles
+            assert t["sizes_gb"][t["default_quant"]] > d["sizes_gb"][d["default_quant"]]  # drafts are the small ones
 
 
 def test_list_shows_local_models_and_which_pair(catalog_hub: FakeHub, capsys, hub_ggufs) -> None:

@@ -325,15 +325,18 @@ def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() 
 
 
 def test_the_catalogs_thinking_models_say_what_their_templates_say() -> None:
-    """The catalog's Qwen3 models declare their thinking (tags, can be turned off): the same as detect_format
-    finds in Qwen3's template (llama.cpp's copy, tests/data/templates)."""
+    """The catalog's Qwen3 and Qwen3.5 models declare their thinking (tags, can be turned off): the same as
+    detect_format finds in their templates (llama.cpp's copies, tests/data/templates)."""
     from models.catalog import load_catalog
 
-    template = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
-    fmt = detect_format(template, lambda kw: render_chat(template, [ChatMessage("user", "Hi")], "", "<|im_end|>",
-                                                         kwargs=kw))
+    template_of = {"qwen3-8b": "Qwen-Qwen3-0.6B.jinja", "qwen3-0.6b": "Qwen-Qwen3-0.6B.jinja",
+                   "qwen3.5-4b-mtp": "Qwen3.5-4B.jinja"}
     declared = [m for m in load_catalog().models if m.thinking]
-    assert {m.alias for m in declared} >= {"qwen3-8b", "qwen3-0.6b"}
+    assert {m.alias for m in declared} == set(template_of)
     for m in declared:
+        template = (TEMPLATES / template_of[m.alias]).read_text()
+        fmt = detect_format(template, lambda kw: render_chat(template, [ChatMessage("user", "Hi")], "", "<|im_end|>",
+                                                             kwargs=kw))
+        assert fmt is not None, m.alias
         assert (m.thinking, m.thinking_can_disable) == ((fmt.start, fmt.end), fmt.can_disable), m.alias
         assert "--no-think" in m.thinking_note

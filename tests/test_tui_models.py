@@ -128,3 +128,32 @@ def test_the_bundled_target_shows_its_drafts_as_soon_as_it_is_highlighted(instru
             assert screen.query_one("#local", OptionList).has_focus  # highlighting does not move the focus
 
     asyncio.run(scenario())
+
+
+def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(hub: FakeHub, tiny,  # noqa: F811
+                                                                               tmp_path) -> None:
+    """The catalog list says which pair drafts with the target's MTP head and which with an EAGLE-3 draft; `p` on
+    the MTP pair fetches the target alone, which then lists as carrying its own head."""
+    from qwen35_factory import write_qwen35_mtp_target
+
+    repo, name = "unsloth/Qwen3.5-4B-MTP-GGUF", "Qwen3.5-4B-Q4_K_M.gguf"
+    hub.add_file(repo, name, write_qwen35_mtp_target(tmp_path / "headed.gguf"))
+
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
+        async with app.run_test(size=(160, 40)) as pilot:
+            screen = await _start_pull(pilot, "qwen3.5-mtp")
+            catalog = _labels(screen.query_one("#catalog", OptionList))
+            mtp = next(label for label in catalog if label.startswith("qwen3.5-mtp: "))
+            assert mtp.startswith("qwen3.5-mtp: qwen3.5-4b-mtp Q4_K_M · MTP head inside the target · ~3.5 GB RAM")
+            eagle = next(label for label in catalog if label.startswith("gpt-oss-eagle3: "))
+            assert "gpt-oss-20b MXFP4 + gpt-oss-20b-eagle3 Q8_0 · EAGLE-3 draft" in eagle
+            await wait_for(pilot, lambda: not screen.pulling, "the download")
+            assert "download complete" in str(screen.query_one("#pull-status").render())
+            assert [r.path.rsplit("/", 1)[1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path] \
+                == [name]
+            local = _labels(screen.query_one("#local", OptionList))
+            assert any(label.startswith("qwen3.5-4b-mtp ") and "its own MTP head" in label and ok
+                       for label, ok in local.items()), local
+
+    asyncio.run(scenario())

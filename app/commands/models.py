@@ -17,9 +17,9 @@ from pathlib import Path
 from app.errors import print_progress
 from app.loading import quantize
 from app.units import format_size
-from models.catalog import CatalogModel, load_catalog
+from models.catalog import MTP, CatalogModel, CatalogPair, load_catalog
 from models.compat import PairCheck, check_pair
-from models.drafters import describe_drafters
+from models.drafters import describe_drafters, mtp_heads
 from models.errors import ModelError
 from models.gguf_info import GGUFInfo, validate_gguf
 from models.hub import Progress, pull
@@ -36,11 +36,13 @@ def add_models_parser(sub: argparse._SubParsersAction, parser_class: type[argpar
     cmd = models.add_subparsers(dest="models_command", parser_class=parser_class, required=True,
                                 metavar="{list,pull,pairs,info,check,derive}")
     cmd.add_parser("list", help="local models: size, architecture, quantization, which pair with which")
-    p = cmd.add_parser("pull", help="download a catalog model or pair, or hf:OWNER/REPO[:QUANT], into the HF cache")
+    p = cmd.add_parser("pull", help="download a catalog model or pair (for a pair whose target drafts with its own MTP "
+                       "head, the target alone), or hf:OWNER/REPO[:QUANT], into the HF cache")
     p.add_argument("ref", help="catalog pair (e.g. qwen2.5), catalog model (e.g. qwen2.5-7b-instruct) or hf:OWNER/REPO[:QUANT]")
     p.add_argument("--quant", default=None, help="quantization, e.g. Q8_0 (for a pair: the target's)")
     p.add_argument("--offline", action="store_true", help="use the local HF cache only (as HF_HUB_OFFLINE=1)")
-    cmd.add_parser("pairs", help="the catalog of known-good draft/target pairs: sizes, quantizations, RAM")
+    cmd.add_parser("pairs", help="the catalog of known-good pairs: how each drafts (a draft model, an EAGLE-3 draft, "
+                   "the target's MTP head), sizes, quantizations, RAM")
     i = cmd.add_parser("info", help="GGUF metadata of a local model, or of a remote one from its header alone")
     i.add_argument("ref")
     i.add_argument("--json", action="store_true", help="one JSON object")
@@ -109,6 +111,21 @@ def _pull(args: argparse.Namespace) -> int:
         result = check_pair(validate_gguf(target.path), validate_gguf(draft.path))
         print(_verdict(target.alias, draft.alias, result))
         return 0 if result.ok else EXIT_INCOMPATIBLE
+    pair = None if args.ref.startswith("hf:") else load_catalog().pair(args.ref.partition(":")[0])
+    if pair is not None and pair.drafter == MTP:
+        return _check_head(pair, pulled[0])
+    return 0
+
+
+def _check_head(pair: CatalogPair, target: StoredModel) -> int:
+    """A pair that drafts with its target's MTP head: does the file pulled carry one that llama.cpp runs?"""
+    info = validate_gguf(target.path)
+    heads = mtp_heads(info)
+    if not heads:
+        print(f"incompatible: {target.alias} carries no MTP head to draft with ({describe_drafters(info)})")
+        return EXIT_INCOMPATIBLE
+    print(f"compatible: {target.alias} drafts with its own MTP head ({heads} layer{'s' if heads > 1 else ''}); "
+          f"no draft file: `specchat chat -m {pair.name}`")
     return 0
 
 
@@ -153,11 +170,14 @@ def _pairs(args: argparse.Namespace) -> int:
     for pair in catalog.pairs:
         print(f"{pair.name}: ~{pair.ram_gb():.1f} GB RAM at the default quants, 4k context. {pair.notes}")
         print(_model_line("target", pair.target, width))
-        print(_model_line("draft", pair.draft, width))
+        if pair.draft is not None:
+            print(_model_line("draft", pair.draft, width))
+        print(f"  drafts with: {pair.drafter_note}")
         if pair.target.thinking_note:
             print(f"  the target {pair.target.thinking_note}")
         print()
-    print("pull a pair with `specchat models pull NAME`, one model with `specchat models pull ALIAS [--quant Q]`")
+    print("pull a pair with `specchat models pull NAME` (a pair with an MTP head: its target alone), one model with "
+          "`specchat models pull ALIAS [--quant Q]`")
     return 0
 
 

@@ -85,11 +85,12 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         except ModelError as e:
             self._status(str(e))
             return
-        for pair in entries.pairs:
+        for pair in entries.pairs:  # `p` pulls what the pair needs: an MTP pair's target alone (hub_models)
             ram = pair.ram_gb()
+            files = " + ".join(f"{m.alias} {m.default_quant}" for m in pair.models)
             catalog.add_option(Option(
-                f"{pair.name}: {pair.target.alias} {pair.target.default_quant} + {pair.draft.alias} "
-                f"{pair.draft.default_quant}" + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
+                f"{pair.name}: {files}" + (f" · {pair.drafter_label}" if pair.drafter_label else "")
+                + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
                 id=pair.name,
             ))
         self.refresh_local()
