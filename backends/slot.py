@@ -56,7 +56,7 @@ class Learnt:
         self._lanes = {name: lane for name, lane in (lanes or {}).items() if lane is not None}
         for name, lane in self._lanes.items():
             lane.live.earlier = lambda name=name: self._earlier(f"live:{name}")
-        self._load: BatchLoad | None = None  # the scheduler's, whose realised rates are kept
+        self._realised: Realised | None = None  # this session's realised rates (every scheduler's), kept
         self._load_tick = 0  # its tick count when taken up
         self._pending: dict[str, dict | Callable[[], dict]] = {}  # what `keep` was given since the last write
         self._written = -math.inf  # when `flush` last wrote (time.monotonic)
@@ -78,10 +78,13 @@ class Learnt:
             return None
 
     def realised_for(self, load: BatchLoad) -> None:
-        """The scheduler's load (a new scheduler's): its realised rates start from what an earlier session kept
-        (none after `afresh`), and are kept from now on."""
-        load.realised = Realised.from_json(self._earlier("realised"))
-        self._load, self._load_tick = load, load.realised.tick
+        """The scheduler's load (a new scheduler's): its realised rates are this session's, as what strategies
+        learnt is (a later scheduler on the same engine goes on from them); the first start from what an earlier
+        session kept (none after `afresh`). Kept from now on."""
+        if self._realised is None:
+            self._realised = Realised.from_json(self._earlier("realised"))
+            self._load_tick = self._realised.tick
+        load.realised = self._realised
 
     def flush(self, force: bool = False) -> None:
         """Write what `keep` was given and the timing (the lanes' live curves and the scheduler's realised rates,
@@ -95,7 +98,7 @@ class Learnt:
             self._pending.clear()
             entries.update({f"live:{name}": lane.live.to_json() for name, lane in self._lanes.items()
                             if lane.live.observed})
-            realised = self._load.realised if self._load is not None else None
+            realised = self._realised
             if realised is not None and realised.tick != self._load_tick and (realised.plain or realised.speculated):
                 entries["realised"] = realised.to_json()
             entries = {name: entry for name, entry in entries.items() if entry is not None}
@@ -110,6 +113,7 @@ class Learnt:
         """Start from nothing learnt, here and for the rest of this session (what is learnt is still kept):
         `specchat bench` does, so that its figures do not depend on earlier sessions."""
         self.session.clear()
+        self._realised = None
         self._read = False
 
 

@@ -190,18 +190,24 @@ def test_a_stale_or_malformed_record_is_ignored() -> None:
 
 
 def test_a_new_scheduler_starts_from_the_record_kept_and_a_bench_from_nothing(tmp_path: Path) -> None:
+    """A session's schedulers share one record (a bench's runs, each with its own pool, go on from the last
+    one's, as a server's one pool does); a new session starts from what the last kept, a bench from nothing."""
     store = JsonStore(tmp_path / "learnt.json")
     learnt = Learnt(store, lambda: "k")
     scheduler = Scheduler(None, learnt)
     assert scheduler.load.realised.tick == 0
     learnt.flush(force=True)
     assert not store.path.exists(), "nothing learnt: nothing written"
-    scheduler.load.realised = _losing_at_2()  # (what its ticks would have recorded)
+    losing, record = _losing_at_2(), scheduler.load.realised  # (what its ticks would have recorded)
+    record.plain, record.speculated, record.tick = losing.plain, losing.speculated, losing.tick
+    assert Scheduler(None, learnt).load.realised is record, "the session's next scheduler goes on from it"
     learnt.flush(force=True)
     assert Scheduler(None, Learnt(store, lambda: "k")).load.realised.pays(2) is False
     bench = Learnt(store, lambda: "k")
     bench.afresh()
     assert not Scheduler(None, bench).load.realised.plain
+    learnt.afresh()
+    assert not Scheduler(None, learnt).load.realised.plain, "afresh: this session's record starts over too"
     assert not Scheduler(None, Learnt(store, lambda: "other device")).load.realised.plain
 
 
