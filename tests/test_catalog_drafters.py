@@ -132,8 +132,6 @@ def test_an_mtp_pair_names_its_target_alone_and_an_eagle3_pair_both() -> None:
     (target,) = hub_models("qwen3.5-mtp")
     assert (target.alias, target.repo, target.pattern) == \
         ("qwen3.5-4b-mtp", "unsloth/Qwen3.5-4B-MTP-GGUF", "Qwen3.5-4B-Q4_K_M.gguf")
-    (q6,) = hub_models("qwen3.5-mtp", "ud-q6_k_xl")
-    assert (q6.alias, q6.pattern) == ("qwen3.5-4b-mtp:UD-Q6_K_XL", "Qwen3.5-4B-UD-Q6_K_XL.gguf")
     assert single_hub_model("qwen3.5-mtp") == target  # so `-m qwen3.5-mtp` resolves to the target's file
     t, d = hub_models("gpt-oss-eagle3")
     assert (t.pattern, d.pattern) == ("gpt-oss-20b-MXFP4.gguf", "eagle3-gpt-oss-20b-Q8_0.gguf")
