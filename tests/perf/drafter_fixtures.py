@@ -6,8 +6,11 @@ writes DIR/mtp-target.gguf (a glm4moe target with its own MTP head,
 tests/drafter_factory.py: `llama-server -m DIR/mtp-target.gguf --spec-type draft-mtp`)
 and DIR/eagle3-target.gguf + DIR/eagle3-draft.gguf (a llama target and an
 EAGLE-3 draft for it, tests/eagle3_factory.py: `llama-server -m
-DIR/eagle3-target.gguf -md DIR/eagle3-draft.gguf --spec-type draft-eagle3`).
-docs/eagle3-protocol.md has the commands and what they print.
+DIR/eagle3-target.gguf -md DIR/eagle3-draft.gguf --spec-type draft-eagle3`),
+and DIR/dflash-target.gguf + DIR/dflash-draft.gguf (a llama target and a
+DFlash block draft for it, tests/dflash_factory.py: `llama-server -m
+DIR/dflash-target.gguf -md DIR/dflash-draft.gguf --spec-type draft-dflash`).
+docs/eagle3-protocol.md and docs/dflash-protocol.md have the commands and what they print.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the factories import each other as the tests do (conftest.py)
 
 from drafter_factory import write_mtp_target  # noqa: E402
+from dflash_factory import write_dflash_pair  # noqa: E402
 from eagle3_factory import write_eagle3_pair  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path, help="folder to write the GGUF files to (made if missing)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the EAGLE-3 pair's random weights")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the EAGLE-3 and DFlash pairs' random weights")
     args = ap.parse_args(argv)
     out: Path = args.dir
     out.mkdir(parents=True, exist_ok=True)
@@ -35,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     written: list[Path] = []
     target, draft = out / "eagle3-target.gguf", out / "eagle3-draft.gguf"
     write_eagle3_pair(target, draft, seed=args.seed)
+    written += [target, draft]
+
+    target, draft = out / "dflash-target.gguf", out / "dflash-draft.gguf"
+    write_dflash_pair(target, draft, seed=args.seed)
     written += [target, draft]
 
     mtp = out / "mtp-target.gguf"
