@@ -27,11 +27,11 @@ class Palette:
     correction: str
     lookup: str  # accepted, proposed by prompt lookup
     lookahead: str  # accepted, proposed by lookahead's n-gram pool
-    mtp: str  # accepted, proposed by the model's own drafter family: its MTP head or an EAGLE-3 draft
+    mtp: str  # accepted, proposed by the model's own drafter family: its MTP head, an EAGLE-3 or a DFlash draft
 
     def accepted_from(self, source: str) -> str:
-        return {"lookup": self.lookup, "lookahead": self.lookahead, "mtp": self.mtp, "eagle3": self.mtp}.get(
-            source, self.accepted)
+        return {"lookup": self.lookup, "lookahead": self.lookahead, "mtp": self.mtp, "eagle3": self.mtp,
+                "dflash": self.mtp}.get(source, self.accepted)
 
 
 # The terminal's own colours for the CLI; fixed colours in the chat app, whose theme
@@ -40,8 +40,8 @@ ANSI = Palette(accepted="green", rejected="red strike", correction="blue", looku
                mtp="magenta")
 TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff", lookup="#39c5cf",
                     lookahead="#d29922", mtp="#bc8cff")
-LEGEND = ("speculation view: accepted from the draft = green, from the model's MTP head or EAGLE-3 draft = magenta, "
-          "from prompt lookup = cyan, from lookahead = yellow; "
+LEGEND = ("speculation view: accepted from the draft = green, from the model's MTP head, EAGLE-3 or DFlash draft "
+          "= magenta, from prompt lookup = cyan, from lookahead = yellow; "
           "rejected = red struck through; target's correction = blue; target's own token = default")
 
 

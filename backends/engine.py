@@ -9,11 +9,13 @@ conversation's cache); `specchat serve --parallel N` makes N, which decode
 together (backends.scheduler). The draft is checked against the target with
 llama.cpp's compatibility rules before it is loaded.
 
-The drafter of a slot's sequences is one of three behind the same seam
+The drafter of a slot's sequences is one of four behind the same seam
 (`KvSequence`): a draft model's own context, the target's MTP head
-(backends.mtp: a target with NextN layers and no -md), or an EAGLE-3 draft
+(backends.mtp: a target with NextN layers and no -md), an EAGLE-3 draft
 (backends.eagle3: -md of architecture `eagle3`, which reads three of the
-target's layers). `drafter` says which.
+target's layers), or a DFlash / DSpark block draft (backends.dflash: -md of
+architecture `dflash`, which reads the target's layers into its own cells
+and proposes a whole chain from one decode). `drafter` says which.
 
 KV memory: each slot may fill `n_ctx` positions, so the contexts hold
 `n_ctx x n_parallel` cells (as Ollama's OLLAMA_NUM_PARALLEL multiplies its
@@ -30,13 +32,14 @@ from pathlib import Path
 
 from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
+from backends.dflash import dflash_lanes
 from backends.eagle3 import eagle3_lanes
 from backends.kv import KvSequence, Lane
 from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.memory import SpeculationMemory
 from backends.memory_file import memory_file, memory_dir
-from backends.mtp import MtpSequence, mtp_lanes
+from backends.mtp import mtp_lanes
 from backends.reasoning import Thinking
 from backends.registry import spec
 from backends.slot import Learnt, Slot
@@ -125,9 +128,10 @@ class Engine:
         self.draft_lane: Lane | None = None
         # The target's own MTP head drafts when the file has one, its graph runs in llama.cpp and no draft is given.
         want_mtp = config.mtp and config.draft is None and mtp_heads(self.target_info) > 0
-        # Who drafts: "draft" (a draft model), "mtp" (the target's own head), "eagle3" (an EAGLE-3 draft), or None.
+        # Who drafts: "draft" (a draft model), "mtp" (the target's own head), "eagle3" (an EAGLE-3 draft), "dflash" (a
+        # DFlash or DSpark block draft), or None.
         self.drafter: str | None = None
-        mtp_drafts: list[MtpSequence] = []  # the MTP head's or the EAGLE-3 draft's sequences, one per slot
+        mtp_drafts: list[KvSequence] = []  # the MTP head's, the EAGLE-3 or the DFlash draft's sequences, one per slot
         per_slot = config.n_ctx
         try:
             self.target_model = LlamaModel(config.target, config.n_gpu_layers, rpc=config.rpc, info=self.target_info,
@@ -144,6 +148,10 @@ class Engine:
                     self.draft_lane, mtp_drafts = eagle3_lanes(self.target_lane, self.draft_model, ctx_config, ids,
                                                                chunk, n_par, per_slot)
                     self.drafter = "eagle3"
+                elif draft_info is not None and draft_info.architecture == "dflash":
+                    self.draft_lane, mtp_drafts = dflash_lanes(self.target_lane, self.draft_model, ctx_config, ids,
+                                                               chunk, n_par, per_slot)
+                    self.drafter = "dflash"
                 else:
                     self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
                     self.drafter = "draft"
@@ -239,7 +247,7 @@ class Engine:
         c = self.config
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
                      self.target.batch.capacity]  # the batch size llama.cpp really has
-        if self.drafter in ("mtp", "eagle3"):
+        if self.drafter in ("mtp", "eagle3", "dflash"):
             placement.append(self.drafter)  # the target's own head, or a draft that reads the target's layers
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Union
 
 TokenKind = Literal["accepted", "target", "rejected"]
-# Who proposed a token: the draft model, the target's MTP head, an EAGLE-3 draft, prompt lookup, lookahead's
+# Who proposed a token: the draft model, the target's MTP head, an EAGLE-3 draft, a DFlash draft, prompt lookup, lookahead's
 # n-gram pool, or nobody (the target's own).
-Source = Literal["draft", "mtp", "eagle3", "lookup", "lookahead", "grammar", "memory", "target"]
+Source = Literal["draft", "mtp", "eagle3", "dflash", "lookup", "lookahead", "grammar", "memory", "target"]
 DoneReason = Literal["eos", "length", "stop", "cancelled", "error"]
 # Where a thinking model's text goes (backends.reasoning): its reasoning block or the answer.
 Channel = Literal["reasoning", "content"]

@@ -89,6 +89,9 @@ class KvSequence:
     """One sequence's share of a lane: its sequence ids, the tokens its main branch holds, its last rows."""
 
     label = "draft"  # what a drafter on this sequence is called (Token.source): a draft model's
+    # The longest chain one `syncing` gives, for a drafter that proposes a whole block from one decode
+    # (backends.dflash); None: one decode per drafted token, as long as a strategy asks.
+    chain_max: int | None = None
 
     def __init__(self, lane: Lane | LlamaContext, base: int = 0, n_ids: int | None = None,
                  n_ctx: int | None = None) -> None:
@@ -195,6 +198,10 @@ class KvSequence:
         keep = self._cut(keep)
         yield from self.extending(tokens[keep:], "last" if logits else "none")
         return keep
+
+    def plan(self, k: int) -> None:
+        """The chain drafted after the next `syncing` takes at most k tokens: a block drafter decodes that many
+        at once (backends.dflash, as llama-server sizes its block from --spec-draft-n-max); others need not know."""
 
     def decode_rows(self, entries: Iterable[tuple[int, int, Iterable[int], bool]]) -> list[int]:
         """`decoding`, at once."""

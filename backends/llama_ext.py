@@ -239,3 +239,89 @@ class EncodeBatch(_ExtBatch):
             out[start:start + k] = np.ctypeslib.as_array(ptr, shape=(k, self.n_embd))
         return out
 
+
+
+# -- DFlash / DSpark block drafts (backends.dflash, docs/dflash-protocol.md) ------------------------------------
+
+_selector_top_k = _bind(("llama_model_dflash_selector_top_k", "_Z33llama_model_dflash_selector_top_kPK11llama_model",
+                         "?llama_model_dflash_selector_top_k@@YAHPEBUllama_model@@@Z"),
+                        [_MODEL], ctypes.c_int32)
+
+
+def dflash_selector_top_k(model: LlamaModel) -> int:
+    """A DFlash2 draft's selector top-k (0 for DFlash, DSpark and any other model)."""
+    return int(_selector_top_k(model.ptr))
+
+
+def mask_token(model: LlamaModel) -> int:
+    """The vocabulary's mask token as llama.cpp loaded it (`tokenizer.ggml.mask_token_id`), -1 when it has none."""
+    return int(llama_cpp.llama_vocab_mask(llama_cpp.llama_model_get_vocab(model.ptr)))
+
+
+def set_causal_attention(ctx: LlamaContext, causal: bool) -> None:
+    """Causal or not for the context's next decodes (a DFlash draft's block attends to all its sequence's cells)."""
+    llama_cpp.llama_set_causal_attn(ctx.ptr, causal)
+
+
+def n_ubatch(ctx: LlamaContext) -> int:
+    return int(llama_cpp.llama_n_ubatch(ctx.ptr))
+
+
+class InjectBatch(_ExtBatch):
+    """A DFlash draft's injection rows: the target's layer inputs at one position each (n_layers x n_embd wide),
+    decoded (LLAMA_PROCESS_TYPE_DECODE) into keys and values of the draft's cells at that position, asking for
+    no output (common/speculative.cpp:1164-1175). Positions are given as llama.cpp gives them, {p, p, p, 0}: the
+    four rows an M-RoPE draft reads for an embedding row."""
+
+    def __init__(self, ctx: LlamaContext, width: int) -> None:
+        super().__init__(ctx, "a DFlash draft's injection")
+        self.width = width
+        self._rows = np.zeros((0, width), dtype=np.float32)
+
+    def process(self, rows: Sequence[tuple[int, int]], features: np.ndarray) -> float:
+        """Decode (position, sequence id) rows, row i carrying `features[i]`; the seconds it took."""
+        self._rows = np.ascontiguousarray(features, dtype=np.float32)
+        b, pos = self._b, self._pos
+        llama_cpp.llama_batch_ext_clear(b)
+        base, stride = self._rows.ctypes.data, self.width * 4
+        for i, (p, seq) in enumerate(rows):
+            embd = llama_cpp.llama_embd(ctypes.cast(base + i * stride, _FLOAT_P), 1, self.width)
+            idx = llama_cpp.llama_batch_ext_add_embd(b, seq, embd)  # copies the row
+            if idx != i:
+                raise DecodeError(f"llama_batch_ext_add_embd failed ({idx}) for a DFlash injection row")
+            pos[0], pos[1], pos[2], pos[3] = p, p, p, 0
+            llama_cpp.llama_batch_ext_set_pos(b, idx, pos)
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_process(self.ctx.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, b)
+        if rc != 0:
+            raise DecodeError(f"llama_process failed with code {rc} (DFlash injection of {len(rows)} rows)")
+        return time.perf_counter() - t0
+
+
+class TokenBatch(_ExtBatch):
+    """Token rows of one llama_batch_ext, every one asking for logits (a DFlash block: its graph selects no
+    outputs, so llama.cpp's outputs are its first rows, common/speculative.cpp:1209)."""
+
+    def __init__(self, ctx: LlamaContext) -> None:
+        super().__init__(ctx, "a DFlash draft's block")
+
+    def process(self, rows: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, float]:
+        """Decode (token, position, sequence id) rows: a copy of their logits (one row each) and the seconds."""
+        b, pos = self._b, self._pos
+        llama_cpp.llama_batch_ext_clear(b)
+        for i, (tok, p, seq) in enumerate(rows):
+            idx = llama_cpp.llama_batch_ext_add_token(b, seq, tok)
+            if idx != i:
+                raise DecodeError(f"llama_batch_ext_add_token failed ({idx}) for token {tok}")
+            pos[0] = p
+            llama_cpp.llama_batch_ext_set_pos(b, idx, pos)
+            llama_cpp.llama_batch_ext_set_output_logits(b, idx, True)
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_process(self.ctx.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, b)
+        if rc != 0:
+            raise DecodeError(f"llama_process failed with code {rc} (DFlash block of {len(rows)} rows)")
+        seconds = time.perf_counter() - t0
+        ptr = llama_cpp.llama_get_logits(self.ctx.ptr)
+        if not ptr:
+            raise DecodeError("the DFlash block gave no logits")
+        return np.ctypeslib.as_array(ptr, shape=(len(rows), self.ctx.n_vocab)).copy(), seconds

@@ -55,6 +55,10 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> PairCheck:
         from models.drafters import eagle3_problems
 
         problems += eagle3_problems(target, draft)
+    if draft.architecture == "dflash":
+        from models.drafters import dflash_problems
+
+        problems += dflash_problems(target, draft)
     return PairCheck(tuple(problems))
 
 

@@ -6,7 +6,10 @@ GLM-4.5 and later, DeepSeek V3/V4, Step 3.5, ...); or a one-layer EAGLE-3
 draft in a file of its own (architecture `eagle3`), which reads three of the
 target's layers (`eagle3.target_layers`, `eagle3.target_hidden_size`) and may
 propose from a reduced vocabulary mapped back by its `d2t` tensor
-(docs/eagle3-protocol.md). llama.cpp 0.3.36 runs them
+(docs/eagle3-protocol.md); or a DFlash / DSpark block draft (architecture
+`dflash`), which reads any number of the target's layers into its own KV cache
+and proposes a whole chain from one decode of `[last token, <mask> x k]`
+(docs/dflash-protocol.md). llama.cpp 0.3.36 runs MTP heads
 for the architectures whose graph has an MTP form (src/models/*.cpp, those
 whose build_arch_graph handles LLM_GRAPH_TYPE_DECODER_MTP); GLM-4 keeps the
 tensors "preserved but unused", so a file of another architecture is run
@@ -44,6 +47,28 @@ def eagle3_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
     return problems
 
 
+def dflash_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
+    """Why a DFlash block draft cannot draft for this target, from the headers (docs/dflash-protocol.md); [] when
+    it can."""
+    problems = []
+    if not draft.dflash_layers:
+        problems.append("a DFlash draft names the target layers it reads (dflash.target_layers), this one none")
+    n_layer = (target.block_count or 0) - target.nextn_layers
+    too_deep = [i for i in draft.dflash_layers if not 0 <= i < n_layer]
+    if too_deep:
+        problems.append(f"it reads layers {too_deep}, the target has {n_layer}")
+    if draft.embedding_length is not None and target.embedding_length is not None \
+            and draft.embedding_length != target.embedding_length:
+        problems.append(f"its hidden size is {draft.embedding_length}, the target's {target.embedding_length} "
+                        "(llama.cpp injects the target's layers at the draft's width)")
+    if draft.mask_id is None or not 0 <= draft.mask_id < draft.vocab_size:
+        problems.append("it names no mask token (tokenizer.ggml.mask_token_id), which its blocks are made of")
+    if draft.dflash_kind == "dflash2":
+        problems.append("it is a DFlash2 draft (a selector lattice: a greedy walk with no distribution to verify "
+                        "against), which specchat does not run")
+    return problems
+
+
 def describe_drafters(info: GGUFInfo) -> str:
     """One line on the drafters a file carries (or is), for `models info` and the chat app."""
     if info.architecture == "eagle3":
@@ -51,6 +76,11 @@ def describe_drafters(info: GGUFInfo) -> str:
             else f"the target's {info.vocab_size} tokens"
         return (f"EAGLE-3 draft for target layers {list(info.eagle3_layers)}, hidden size {info.eagle3_hidden}, "
                 f"proposing from {vocab}")
+    if info.architecture == "dflash":
+        name = {"dspark": "DSpark", "dflash2": "DFlash2"}.get(info.dflash_kind, "DFlash")
+        drafts = info.dflash_block if info.dflash_anchor_first else info.dflash_block - 1
+        return (f"{name} draft for target layers {list(info.dflash_layers)}, blocks of {info.dflash_block} "
+                f"(up to {drafts} drafts from one decode)")
     if info.nextn_layers and info.architecture not in MTP_ARCHITECTURES:
         return (f"{info.nextn_layers} MTP layer(s), which llama.cpp 0.3.36 does not run for the "
                 f"{info.architecture} architecture")

@@ -60,6 +60,17 @@ class GGUFInfo:
     eagle3_layers: tuple[int, ...] = ()
     eagle3_hidden: int | None = None
     draft_vocab: int = 0
+    # A DFlash block draft's (architecture `dflash`, docs/dflash-protocol.md): the target layers whose inputs it
+    # reads (`dflash.target_layers`), its trained block (`dflash.block_size`; llama.cpp takes 16 when absent), its
+    # mask token (`tokenizer.ggml.mask_token_id`), its kind ("dflash"; "dspark" with a Markov head, "dflash2" with
+    # a selector), whether a DSpark draft reads its drafts from the anchor's row on (`dflash.sample_from_anchor`,
+    # default true) and whether its block attends causally (`dflash.attention.causal`, default false).
+    dflash_layers: tuple[int, ...] = ()
+    dflash_block: int = 16
+    mask_id: int | None = None
+    dflash_kind: str = ""
+    dflash_anchor_first: bool = False
+    dflash_causal: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -88,6 +99,9 @@ class GGUFInfo:
             "mtp_heads": self.nextn_layers,
             **({"eagle3_target_layers": list(self.eagle3_layers), "eagle3_target_hidden_size": self.eagle3_hidden,
                 "draft_vocab_size": self.draft_vocab or self.vocab_size} if self.architecture == "eagle3" else {}),
+            **({"dflash_target_layers": list(self.dflash_layers), "dflash_block_size": self.dflash_block,
+                "dflash_kind": self.dflash_kind, "mask_token_id": self.mask_id,
+                "draft_vocab_size": self.draft_vocab or self.vocab_size} if self.architecture == "dflash" else {}),
         }
 
 
@@ -128,6 +142,27 @@ def _check_vocab(where: str, tokens: tuple[str, ...]) -> None:
                 f"{where}: malformed vocabulary: token {tok!r} appears twice (ids {seen[tok]} and {i}){why}"
             )
         seen[tok] = i
+
+
+def _truthy(value: Any) -> bool:
+    """A GGUF flag as common/speculative.cpp reads it (llama_model_meta_val_str, then strcmp with "true"): a bool
+    true, or the string "true"; anything else is false."""
+    return value is True or value == "true"
+
+
+def _dflash_fields(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
+    """A DFlash draft's fields of GGUFInfo, as common/speculative.cpp:980-997 and :2297-2300 read them."""
+    kind = "dspark" if "markov_w1.weight" in tensors else "dflash2" if "selector_hidden.weight" in tensors \
+        else "dflash"
+    anchor = meta.get("dflash.sample_from_anchor")
+    return {
+        "dflash_layers": tuple(int(i) for i in meta.get("dflash.target_layers") or ()),
+        "dflash_block": int(meta.get("dflash.block_size") or 16),
+        "mask_id": meta.get("tokenizer.ggml.mask_token_id"),
+        "dflash_kind": kind,
+        "dflash_anchor_first": kind == "dspark" and (anchor is None or _truthy(anchor)),
+        "dflash_causal": _truthy(meta.get("dflash.attention.causal")),
+    }
 
 
 def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
@@ -171,6 +206,7 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
         eagle3_layers=tuple(int(i) for i in meta.get("eagle3.target_layers") or ()),
         eagle3_hidden=meta.get("eagle3.target_hidden_size"),
         draft_vocab=next((t.n_elements for t in header.tensors if t.name == "d2t"), 0),
+        **(_dflash_fields(meta, {t.name for t in header.tensors}) if arch == "dflash" else {}),
     )
 
 

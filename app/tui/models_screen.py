@@ -102,8 +102,9 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         for i, m in enumerate(self.local):
             if m.info is None:
                 options.add_option(Option(f"{m.name} · unusable: {m.problem}", id=str(i), disabled=True))
-            elif m.info.architecture == "eagle3":  # a draft only: it runs beside the target it reads
-                options.add_option(Option(f"{m.name} · {format_size(m.info.size_bytes)} · EAGLE-3 draft: pick its "
+            elif m.info.architecture in ("eagle3", "dflash"):  # a draft only: it runs beside the target it reads
+                kind = "EAGLE-3" if m.info.architecture == "eagle3" else "DFlash"
+                options.add_option(Option(f"{m.name} · {format_size(m.info.size_bytes)} · {kind} draft: pick its "
                                           "target, then it", id=str(i), disabled=True))
             else:
                 heads = mtp_heads(m.info)
@@ -156,7 +157,7 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 continue
             verdict = check_pair(target.info, m.info)
             label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}" \
-                + (" · EAGLE-3" if m.info.architecture == "eagle3" else "")
+                + {"eagle3": " · EAGLE-3", "dflash": " · DFlash"}.get(m.info.architecture, "")
             if verdict.ok:
                 drafts.add_option(Option(label, id=str(i)))
             else:

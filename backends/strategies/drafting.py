@@ -76,8 +76,12 @@ def draft_chain(run: Run, draft: KvSequence, k_max: int, rule: DraftRule,
                 confidence: bool = True) -> Generator[Decode, list[int], Chain]:
     """Up to k_max tokens after the context, drafted on `draft` (which must hold the context, its last token's
     logits at hand: `draft.syncing(run.context)`). Greedy without `confidence`, the top probability is not
-    computed (taken as 1.0): a rule that does not read it need not pay for a softmax over the vocabulary."""
+    computed (taken as 1.0): a rule that does not read it need not pay for a softmax over the vocabulary. A block
+    drafter (`draft.chain_max`, backends.dflash) drafts no longer than its block, and its next tokens cost no
+    decode."""
     chain = Chain()
+    if draft.chain_max is not None:
+        k_max = min(k_max, draft.chain_max)
     params = run.params
     for i in range(k_max):
         logits = run.logits(draft, path=chain.tokens, drafter=True)
@@ -98,5 +102,5 @@ def draft_chain(run: Run, draft: KvSequence, k_max: int, rule: DraftRule,
         if i + 1 >= k_max or not rule.more(i, conf):
             break
         yield from draft.extending([tok])
-        chain.decodes += 1
+        chain.decodes += draft.chain_max is None
     return chain

@@ -49,6 +49,7 @@ class SpeculativeSampling(StepMachine):
             """Up to k draft tokens while the draft's confidence holds (and, when sampling, their distributions)."""
             if k == 0:
                 return Chain()
+            self.draft.plan(k)  # a block drafter's block (backends.dflash)
             yield from self.draft.syncing(run.context)
             return (yield from draft_chain(run, self.draft, k, rule, confidence=cfg.p_min > 0))
 

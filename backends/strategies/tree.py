@@ -119,7 +119,8 @@ class TreeSpeculation(StepMachine):
 
     # -- drafting: each shape returns every drafted node, parents first ------
 
-    def _root_logits(self, run: Run) -> Generator[Decode, list[int], np.ndarray]:
+    def _root_logits(self, run: Run, depth: int) -> Generator[Decode, list[int], np.ndarray]:
+        self.draft.plan(depth)  # a block drafter decodes the whole depth at once (backends.dflash)
         yield from self.draft.syncing(run.context)
         self.draft_forwards += 1
         return run.logits(self.draft, drafter=True)
@@ -137,7 +138,8 @@ class TreeSpeculation(StepMachine):
         k = self.config.top_k
         context = run.context
         drafted = TreeBuilder()  # weights: cumulative draft log-probabilities
-        layer = [drafted.add(t, -1, lp) for t, lp in _top_log_probs((yield from self._root_logits(run)), k)]
+        root = yield from self._root_logits(run, max_depth + 1)
+        layer = [drafted.add(t, -1, lp) for t, lp in _top_log_probs(root, k)]
         scratch = _Scratch(self.draft)
         seq_of = {-1: 0}  # node -> draft sequence holding its path
         for depth in range(1, max_depth):
@@ -157,7 +159,7 @@ class TreeSpeculation(StepMachine):
         cfg = self.config
         scratch = _Scratch(self.draft)
         context = run.context
-        live = [_Branch(-1, 0, (yield from self._root_logits(run)))]
+        live = [_Branch(-1, 0, (yield from self._root_logits(run, max_depth + 1)))]
         n_branches = 1
         drafted = TreeBuilder()  # weights: cumulative draft log-probabilities
         for depth in range(1, max_depth + 1):
