@@ -60,3 +60,26 @@ def test_settings_panel(snap_compare, tiny, tmp_path, monkeypatch) -> None:
 def test_error_message(snap_compare, tmp_path) -> None:
     app = app_for(tiny_settings("missing-model.gguf", None, "ar"), tmp_path)
     assert snap_compare(app, terminal_size=SIZE, run_before=wait_loaded)
+
+
+def test_a_thinking_answer_folded(snap_compare, thinking_models, tmp_path, monkeypatch) -> None:
+    """A thinking model's answer (SmolLM2 with QwQ's template, its thinking ended by a budget of 16): the block
+    folded above the answer, "Thought for N tokens, S s" (the seconds pinned as the stats are)."""
+    from test_tui_reasoning import settings_for
+
+    monkeypatch.chdir(thinking_models.qwq.parent)
+    app = app_for(settings_for(thinking_models.qwq.name, thinking_models.draft), tmp_path)
+
+    async def run_before(pilot) -> None:
+        await wait_loaded(pilot)
+        await send(pilot, "What is the capital of France? Explain.")
+        chat = pilot.app.chat
+        live = chat.stats.live
+        chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+        block = chat.transcript.answers()[-1].thinking
+        assert block.visible and not block.expanded, "folded once the answer started"
+        block.seconds = 1.0
+        block.refresh_view()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
