@@ -289,8 +289,9 @@ def test_models_info_and_check(files: DFlashFiles, capsys: pytest.CaptureFixture
     assert "it reads layers [2, 3], the target has 2" in out
 
 
-def _llama_server_tokens(pair: Pair, k: int, tmp_path: Path) -> tuple[list[int], dict]:
-    """The reference llama-server's greedy tokens for SERVER_PROMPT with the DFlash draft, and its timings."""
+def _llama_server_tokens(pair: Pair, k: int, tmp_path: Path, kind: str = "dflash") -> tuple[list[int], dict]:
+    """The reference llama-server's greedy tokens for SERVER_PROMPT with the DFlash (or DSpark) draft, and its
+    timings."""
     import socket
 
     with socket.socket() as s:
@@ -300,7 +301,7 @@ def _llama_server_tokens(pair: Pair, k: int, tmp_path: Path) -> tuple[list[int],
     env = dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_SERVER.parent))
     with open(log, "w") as out:
         proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(pair.target), "-md", str(pair.draft),
-                                 "--spec-type", "draft-dflash", "--spec-draft-n-max", str(k), "--host", "127.0.0.1",
+                                 "--spec-type", f"draft-{kind}", "--spec-draft-n-max", str(k), "--host", "127.0.0.1",
                                  "--port", str(port), "-c", "512", "-np", "1", "-t", "2"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -325,11 +326,12 @@ def _llama_server_tokens(pair: Pair, k: int, tmp_path: Path) -> tuple[list[int],
 
 
 @pytest.mark.skipif(not LLAMA_SERVER.exists(), reason="the reference llama-server build is absent")
-@pytest.mark.parametrize("k", [4, 7])
-def test_the_same_greedy_tokens_as_llama_server(files: DFlashFiles, tmp_path: Path, k: int) -> None:
-    tokens, timings = _llama_server_tokens(files.server, k, tmp_path)
-    assert timings["draft_n"] > 0, timings  # llama-server drafted with the DFlash draft
-    engine = _engine(files.server)
+@pytest.mark.parametrize("kind, k", [("dflash", 4), ("dflash", 7), ("dspark", 4)])
+def test_the_same_greedy_tokens_as_llama_server(files: DFlashFiles, tmp_path: Path, kind: str, k: int) -> None:
+    pair = files.server if kind == "dflash" else files.dspark
+    tokens, timings = _llama_server_tokens(pair, k, tmp_path, kind)
+    assert timings["draft_n"] > 0, timings  # llama-server drafted with the block draft
+    engine = _engine(pair)
     try:
         prompt = engine.tokenize(SERVER_PROMPT)
         params = GenParams(max_tokens=32, temperature=0.0)
@@ -338,6 +340,9 @@ def test_the_same_greedy_tokens_as_llama_server(files: DFlashFiles, tmp_path: Pa
         done = run_to_done(engine, "sps", prompt, params, options)
         assert list(done.tokens) == tokens
         assert done.stats.accepted > 0 and timings["draft_n_accepted"] > 0, (done.stats, timings)
+        if kind == "dflash":  # the same drafts: specchat drafts k for the first token too (none accepted here), where
+            # llama-server samples it from the prompt's logits; after it, step for step the same chains
+            assert (done.stats.accepted, done.stats.drafted) == (timings["draft_n_accepted"], timings["draft_n"] + k)
     finally:
         engine.close()
 
