@@ -12,7 +12,9 @@ and parses: `analysis` messages are reasoning, `final` and `commentary`
 (a preamble) messages are the answer, a `<|channel|>commentary to=assistant`
 the model sometimes writes before a channel is dropped, and a message to a
 recipient (` to=functions.NAME`, ` to=python`: a tool call, not asked for
-here) is left out of both (test-chat.cpp's "unsolicited tool calls").
+here) is left out of both (test-chat.cpp's "unsolicited tool calls"). The
+splitter keeps such messages apart, each as (recipient, body) in `calls`, for
+the server's tool calls (app.serve.harmony_tools), which are theirs to read.
 
 For backends.reasoning the format is a ReasoningFormat whose start is the
 analysis header (`<|channel|>analysis<|message|>`), whose end is `<|end|>`, and
@@ -48,6 +50,9 @@ FINAL = f"{START}{CHANNEL}final{MESSAGE}"
 # What ends a message: <|end|> (more follow), <|return|> (the answer's end), <|call|> (a tool call's end). The
 # last two are end-of-generation tokens in gpt-oss's vocabulary; spelled as text they end a message too.
 TERMINATORS = (END, "<|return|>", "<|call|>")
+# The markers llama.cpp's gpt-oss handler keeps in the text it parses (its preserved_tokens), with the terminators:
+# a vocabulary that has them as control tokens must render them for a parse to see them (backends.text.rendering).
+PRESERVED = ("<|channel|>", "<|constrain|>", MESSAGE, "<|start|>", END, "<|return|>", "<|call|>")
 MAX_HEADER = 256  # characters: a "header" longer than this, with no <|message|>, is text
 
 # A message's header, up to its <|message|>: its start (the prompt writes the first), a recipient in the role
@@ -81,19 +86,19 @@ def template_messages(messages: list[dict[str, object]]) -> list[dict[str, objec
     return out
 
 
-def _header_channel(header: str) -> tuple[bool, Channel | None]:
+def _header_channel(header: str) -> tuple[bool, Channel | None, str]:
     """(whether `header` is a message's header, the channel its body goes to: None for a message to a recipient,
-    which is neither reasoning nor answer)."""
+    which is neither reasoning nor answer, and that recipient: `functions.NAME`, `python`, ...)."""
     m = _HEADER.fullmatch(header)
     if m is None:
-        return False, None
+        return False, None, ""
     channels = re.findall(r"<\|channel\|>([^<]*)", m.group("channels"))
     last = channels[-1].strip() if channels else ""
     in_channel = re.search(r"\bto=(\S+)", last)
     to = m.group("to") or (in_channel.group(1) if in_channel else "")
     if to and to != "assistant":
-        return True, None
-    return True, REASONING if last.split(" ", 1)[0] == "analysis" else CONTENT
+        return True, None, to
+    return True, REASONING if last.split(" ", 1)[0] == "analysis" else CONTENT, ""
 
 
 def _may_be_header(text: str) -> bool:
@@ -127,6 +132,9 @@ class HarmonySplitter:
         self._answered = False  # some of the answer was released (its leading whitespace is dropped before)
         self.reasoning = ""
         self.content = ""
+        self._to = ""  # the current message's recipient (a message left out of both)
+        self._call = ""  # that message's body so far
+        self.calls: list[tuple[str, str]] = []  # the messages to recipients, ended: (recipient, body)
 
     @property
     def channel(self) -> Channel:
@@ -153,15 +161,19 @@ class HarmonySplitter:
                 piece = piece.lstrip()  # the answer's leading whitespace
                 self._answered = bool(piece)
             return "", piece
+        self._call += piece
+        if final:
+            self.calls.append((self._to, self._call))
+            self._call = ""
         return "", ""
 
     def _header(self) -> bool | None:
         """Reads a header at the buffer's start: True when a body begins, None when more text is needed."""
         j = self._buf.find(MESSAGE)
         if j >= 0:
-            ok, body = _header_channel(self._buf[:j])
+            ok, body, to = _header_channel(self._buf[:j])
             if ok:
-                self._buf, self._body = self._buf[j + len(MESSAGE):], body
+                self._buf, self._body, self._to, self._call = self._buf[j + len(MESSAGE):], body, to, ""
                 self._in_body, self._ws, self._lead = True, "", True
                 return True
         elif _may_be_header(self._buf):
@@ -200,14 +212,15 @@ class HarmonySplitter:
         the reasoning it releases (a tail held back as a terminator's possible start)."""
         out = ""
         if self._in_body:
-            out, _ = self._release(self._buf, final=True) if self._body == REASONING else ("", "")
+            out, _ = self._release(self._buf, final=True) if self._body != CONTENT else ("", "")
             self.reasoning += out
             self._buf, self._in_body = "", False
         return out
 
     def flush(self) -> tuple[str, str]:
-        """At the end of the output: what was held back (an analysis never closed keeps its text as reasoning; a
-        header cut off is dropped)."""
+        """At the end of the output: what was held back (an analysis never closed keeps its text as reasoning, a
+        message to a recipient goes to `calls`: gpt-oss's `<|call|>` ends the generation; a header cut off is
+        dropped)."""
         buf, self._buf = self._buf, ""
         if not self._in_body:
             return "", ""

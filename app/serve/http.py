@@ -25,7 +25,8 @@ from app.serve.fields import ApiError, bad
 from app.serve.slots import SlotFiles, slot_action
 from app.serve.request import MAX_BODY_BYTES, Endpoint, GenRequest, parse_request
 from app.serve.thinking import reasoning_info, template_kwargs
-from app.serve.tools import ToolStream, grammar_for
+from app.serve.harmony_tools import HarmonyToolStream, marker_terminal
+from app.serve.tools import grammar_for
 from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
 from app.serve.worker import EngineWorker, Failed, Finished, Job
 from backends.events import Done, Token
@@ -246,7 +247,8 @@ class Server:
         self.worker.submit(job)
         thinks = self.worker.reasoning is not None and endpoint == "chat"
         reply = Reply(gen, model, self.worker.engine.target_model.piece, self.worker.tool_format,
-                      thinks=thinks and gen.thinking.split, raw=thinks and not gen.thinking.split)
+                      thinks=thinks and gen.thinking.split, raw=thinks and not gen.thinking.split,
+                      call_piece=self.worker.call_piece)
         try:
             first = await _unless_gone(job.events.get(), job, request)  # Started, or Failed
             if isinstance(first, Failed):
@@ -271,7 +273,8 @@ class Server:
         if gen.grammar is not None:
             kind, source, param = gen.grammar.kind, gen.grammar.source, gen.grammar.param
         elif gen.calls_tools and (spec := grammar_for(gen.tools, gen.tool_choice, self.worker.tool_format,
-                                                       gen.parallel_tool_calls)):
+                                                       gen.parallel_tool_calls,
+                                                       marker_terminal(self.worker.engine.target_model))):
             (kind, source), param = spec, "tools"
         else:
             return gen
@@ -290,7 +293,7 @@ class Server:
         if reply.chat:
             for i in range(gen.n):
                 yield sse(reply.chunk("", i, role=True))
-        tools = [ToolStream(reply.tool_format, gen.must_call) for _ in range(gen.n)] if gen.calls_tools else None
+        tools = [reply.tool_stream() for _ in range(gen.n)] if gen.calls_tools else None
         offsets = [0] * gen.n  # text sent, by choice (the completions API's logprobs text_offset)
         reasoned = [""] * gen.n  # reasoning sent, by choice: its Done's rest goes with the finish chunk
         thought = [0] * gen.n  # tokens of the thinking, by choice (usage's reasoning_tokens)
@@ -312,6 +315,8 @@ class Server:
                             yield sse(reply.chunk(text, index, logprobs=logprobs, reasoning=reasoning))
                         continue
                     text, new = tools[index].push(text)
+                    if isinstance(tools[index], HarmonyToolStream):  # gpt-oss's calls: from the tokens
+                        new = tools[index].push_token(item.id)
                     if text or reasoning or logprobs is not None:
                         yield sse(reply.chunk(text, index, logprobs=logprobs, reasoning=reasoning))
                     if new:

@@ -13,7 +13,8 @@ from starlette.responses import JSONResponse, Response
 from app.chat_template import ToolCall
 from app.serve.fields import ApiError
 from app.serve.request import GenRequest
-from app.serve.tools import ToolFormat, parse_answer
+from app.serve.harmony_tools import HarmonyToolStream, calls_of
+from app.serve.tools import ToolFormat, ToolStream, parse_answer
 from backends.events import Done, GenStats, Token
 from backends.text import TextStream
 from backends.registry import strategy_label
@@ -88,6 +89,7 @@ class Reply:
     tool_format: ToolFormat = "generic"
     thinks: bool = False
     raw: bool = False
+    call_piece: Callable[[int], bytes] | None = None  # harmony's calls: the tokens' pieces, markers rendered
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -117,6 +119,16 @@ class Reply:
             stream.push(token)
         stream.flush()
         return stream.text
+
+    @property
+    def _names(self) -> list[str]:
+        return [t.name for t in self.request.tool_choice.offered(self.request.tools)]
+
+    def tool_stream(self) -> ToolStream | HarmonyToolStream:
+        """A choice's stream of content and calls, for a request that offers tools."""
+        if self.tool_format == "harmony":
+            return HarmonyToolStream(self.call_piece or self.piece, self._names)
+        return ToolStream(self.tool_format, self.request.must_call)
 
     # -- log-probabilities ---------------------------------------------------
 
@@ -176,7 +188,9 @@ class Reply:
         choices = []
         for i, d in enumerate(dones):
             text, calls = self._text(d), []
-            if self.request.calls_tools:
+            if self.request.calls_tools and self.tool_format == "harmony":  # the content is the split's already
+                calls = calls_of(d.tokens, self.call_piece or self.piece, self._names)
+            elif self.request.calls_tools:
                 text, calls = parse_answer(text, self.tool_format)
             finish = "tool_calls" if calls else FINISH_REASONS.get(d.reason, "stop")
             choices.append(self._choice(i, text, finish, delta=False,

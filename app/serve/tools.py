@@ -1,6 +1,10 @@
 """Tool calls: OpenAI's `tools` and `tool_choice` over a model's chat template, as llama.cpp's common/chat.cpp.
 
-Three formats, by what the model's chat template knows (`tool_format`):
+Four formats, by what the model's chat template knows (`tool_format`):
+- `harmony` (gpt-oss; the template writes `<|channel|>`): the tools go to
+  the template, and a call is a message to `functions.NAME`, read from the
+  output's harmony messages (app.serve.harmony_tools, as llama.cpp's
+  common/parsers/gpt-oss.cpp);
 - `hermes` (Qwen 2.5 and 3, Hermes; the template writes `<tool_call>`): the
   tools go to the template, and the model writes each call as
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
@@ -29,12 +33,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from app.chat_template import ChatMessage, ToolCall
 from backends.grammar import JSON_LAYOUT
+from backends.harmony import is_harmony
 
-ToolFormat = Literal["hermes", "llama3", "generic"]
+ToolFormat = Literal["hermes", "llama3", "generic", "harmony"]
 
 GENERIC_SYSTEM = (
     "You can call these tools:\n{tools}\n\n"
@@ -143,6 +148,8 @@ def parse_tool_choice(body: Mapping[str, Any], tools: Sequence[Tool]) -> ToolCho
 
 def tool_format(template: str | None) -> ToolFormat:
     """Which way this chat template lets a model call tools."""
+    if template and is_harmony(template):
+        return "harmony"
     if template and _HERMES_OPEN in template:
         return "hermes"
     if template and _PYTHON_TAG in template:
@@ -202,14 +209,19 @@ def _any(schemas: list[dict[str, object]]) -> dict[str, object]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat,
-                parallel: bool = False) -> tuple[str, object] | None:
+def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat, parallel: bool = False,
+                marker: Callable[[str], str] = json.dumps) -> tuple[str, object] | None:
     """(grammar kind, source) the answer must follow, or None for free text. `parallel` (OpenAI's
-    parallel_tool_calls, asked for explicitly): a Hermes answer may hold several calls."""
+    parallel_tool_calls, asked for explicitly): a Hermes answer may hold several calls. `marker`: a harmony
+    marker's Lark terminal (app.serve.harmony_tools.marker_terminal)."""
     callable_ = choice.offered(tools)
     if not callable_:
         return None
     must = choice.must_call
+    if fmt == "harmony":  # what follows the call's header, which is forced (harmony_tools.forced_header)
+        from app.serve.harmony_tools import grammar
+
+        return grammar([(t.name, dict(t.parameters)) for t in callable_], marker) if must else None
     if fmt == "generic":
         call = {"type": "object", "properties": {"tool_call": _any([_call_schema(t) for t in callable_])},
                 "required": ["tool_call"], "additionalProperties": False}

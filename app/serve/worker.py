@@ -17,14 +17,17 @@ from typing import Any, Callable
 from app.errors import describe, is_user_error
 from app.prompt_format import PromptFormat
 from app.serve.fields import ApiError, from_exception
+from app.serve.harmony_tools import forced_header
 from app.serve.request import MAX_QUEUED, GenRequest
 from app.serve.responses import done_error
 from app.serve.tools import prompt_messages, tool_format
 from backends.config import PROMPT_CACHE_MIB
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
+from backends.harmony import PRESERVED
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
+from backends.text import rendering
 
 log = logging.getLogger("specchat.serve")
 
@@ -134,6 +137,8 @@ class EngineWorker:
         self.engine = engine
         self.format = PromptFormat(engine)
         self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
+        # gpt-oss's calls are read from the output as written, its markers rendered (app.serve.harmony_tools).
+        self.call_piece = rendering(engine.target_model, PRESERVED) if self.tool_format == "harmony" else None
         self.reasoning = self.format.reasoning  # how it thinks (None: it does not): found once, before any request
         self.pool = SlotPool(engine, cache_mib, kv_disk)
         self.parallel = self.pool.size
@@ -284,7 +289,11 @@ class EngineWorker:
             messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
             kwargs = request.thinking.kwargs
             if self.reasoning is not None:
-                params = replace(params, reasoning=self.format.reasoning_for(messages, tools=tools, kwargs=kwargs),
+                fmt = self.format.reasoning_for(messages, tools=tools, kwargs=kwargs)
+                if fmt is not None and self.tool_format == "harmony" and request.must_call:
+                    # The call's header before its grammar, as the final header before response_format's.
+                    fmt = replace(fmt, after=forced_header([t.name for t in request.tool_choice.offered(request.tools)]))
+                params = replace(params, reasoning=fmt,
                                  reasoning_budget=request.thinking.budget, reasoning_message=request.thinking.message)
             return self.format.tokens(messages, tools=tools, kwargs=kwargs), params
         if isinstance(request.prompt, tuple):
