@@ -309,3 +309,24 @@ def test_a_marker_that_is_a_control_token_is_its_id_in_the_grammar(oss) -> None:
     source = grammar([(t.name, dict(t.parameters)) for t in (WEATHER, TIME)],
                      lambda m: terminal("<|im_end|>") if m == "<|message|>" else terminal(m))[1]
     compile_grammar("lark", source, model.guidance_tokenizer, model.n_vocab)
+
+
+def test_serve_a_prompt_that_opens_the_analysis_thinks_before_the_forced_call(oss_files, tmp_path_factory) -> None:  # noqa: F811
+    """Where the prompt opens the analysis (test_harmony's opened file), the thinking runs first, within its budget;
+    then `<|end|>` and the call's header are forced and the grammar holds the arguments: the analysis is
+    reasoning_content, the call a call (llama.cpp's required grammar also lets analysis come first)."""
+    from serve_helpers import API_KEY, start_server, stop_server
+
+    served = start_server(["-m", str(oss_files[1]), "--api-key", API_KEY, "-np", "1", "--temp", "0", "-n", "64"],
+                          tmp_path_factory.mktemp("oss-tools-open") / "server.log")
+    try:
+        answer = served.client().chat.completions.create(
+            model="smollm2-gpt-oss-open", messages=ASK, tools=OPENAI_TOOLS, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            extra_body={"reasoning_budget_tokens": 6}).choices[0]
+        assert answer.finish_reason == "tool_calls" and not answer.message.content
+        assert (answer.message.model_extra or {}).get("reasoning_content")
+        [call] = answer.message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+    finally:
+        stop_server(served)
