@@ -270,3 +270,27 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
         assert gen.costs.relative(2) == alone
     finally:
         engine.close()
+
+
+def test_a_block_drafters_later_tokens_are_priced_by_their_rows_alone(tiny) -> None:
+    """A draft as dear as a target step and rows that cost nothing (a flat curve): a draft model's next token
+    cannot pay for its own decode, a block drafter's (backends.dflash: one decode for the whole chain) can; and
+    a chain priced before any draft step pays the block's decode once, not per token."""
+    from backends.strategies.auto.choose import DraftPays
+
+    engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 1.0))
+    try:
+        gen = _prefilled(engine)
+        for _ in range(50):
+            gen.state.draft_by_conf.update(9, True)  # drafts at confidence >= 0.9 are nearly always accepted
+        one_by_one, block = DraftPays(gen.state, gen.costs, 6), DraftPays(gen.state, gen.costs, 6, block=True)
+        assert one_by_one.keep(0, 0.95) and block.keep(0, 0.95)
+        assert not one_by_one.more(0, 0.95), "each further token would cost a whole step to draft"
+        assert block.more(0, 0.95), "the block drafted it already"
+    finally:
+        engine.close()
+    # Drafts accepted 90% of the time, a draft decode 0.95 of a step, rows free: one by one not even the first
+    # pays; as a block the whole chain does, for one decode.
+    k_each, _, _ = best_chain_length([0.9] * 6, 1.0, 1.0, lambda k: 1.0, per_token=0.95)
+    k_block, _, seconds = best_chain_length([0.9] * 6, 1.0, 1.0, lambda k: 1.0, once=0.95)
+    assert (k_each, k_block) == (0, 6) and seconds == pytest.approx(1.95)

@@ -167,7 +167,8 @@ def test_the_drafts_cells_are_the_committed_tokens(agreeing: Engine) -> None:
             committed = list(prompt) + list(done.tokens)
             if draft.blocks > blocks:  # the draft drafted in this request (auto may leave it out)
                 assert draft.tokens == committed[:len(draft.tokens)]
-                assert len(draft.tokens) >= len(committed) - 10  # the last chain (7 drafts at most) is not injected
+                if strategy != "auto":  # which may draft a few times and then decode plainly, the draft left behind
+                    assert len(draft.tokens) >= len(committed) - 10  # the last chain (7 drafts at most) is not injected
             assert draft.cells() == len(draft.tokens) and draft.ctx.pos_max(draft.base) == len(draft.tokens) - 1
             for s in range(1, draft.n_seq_max):
                 assert draft.ctx.pos_max(draft.base + s) == -1, "a tree leaves no scratch cells in the draft"

@@ -159,7 +159,10 @@ class Chooser:
         else:  # before any draft step: from the acceptance by position
             t_draft = costs.t_draft(t_plain)
             accept = [st.draft_by_pos.p(i) for i in range(k_max)]
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, costs.relative, t_draft)
+            # A block drafter (backends.dflash) drafts the whole chain in one decode; others one per token.
+            block = self.draft is not None and self.draft.chain_max is not None
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, costs.relative, 0.0 if block else t_draft,
+                                                   t_draft if block else 0.0)
             draft = Choice(DRAFT, k_max, tokens, seconds) if k else \
                 self._chain_of_one(DRAFT, accept[0], t_plain, t_draft)
         return replace(draft, length=k_max, switch=self.catch_up_seconds(t_plain),
@@ -255,13 +258,14 @@ class DraftPays:
     DraftRule): after drafting token i with confidence c, it is verified if its expected gain P(all before
     accepted) * a(c) exceeds R times the extra batch row, and drafting goes on while the tokens after it are
     expected to pay for their draft decodes as well (looking several tokens ahead, not only at the next one).
+    A block drafter's (`block`: backends.dflash) later tokens cost no decode, only their rows.
     """
 
-    def __init__(self, state: AutoState, costs: CostModel, k_max: int) -> None:
+    def __init__(self, state: AutoState, costs: CostModel, k_max: int, block: bool = False) -> None:
         self.state, self.costs, self.k_max = state, costs, k_max
         self.rate = costs.rate()
         self.t_plain = costs.t_plain()
-        self.t_draft = costs.t_draft(self.t_plain)
+        self.t_draft = 0.0 if block else costs.t_draft(self.t_plain)
         self.reach = 1.0  # the chance every token so far is accepted
         self.a = 0.0  # the last token's chance
 

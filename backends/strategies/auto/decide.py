@@ -78,15 +78,15 @@ def expected_chain_tokens(accept: Sequence[float], k: int) -> float:
 
 
 def best_chain_length(accept: Sequence[float], rate: float, t_plain: float, curve: Callable[[float], float],
-                      per_token: float = 0.0) -> tuple[int, float, float]:
+                      per_token: float = 0.0, once: float = 0.0) -> tuple[int, float, float]:
     """The chain length k (0..len) maximising expected tokens - rate * seconds; with its tokens and seconds.
 
     `accept` as for `running_expected_tokens`; verifying k proposals costs
-    t_plain * T(k+1)/T(1) + k * per_token.
+    t_plain * T(k+1)/T(1) + k * per_token + once (a block drafter's one decode for the whole chain).
     """
     best = (0, 1.0, t_plain)
     for i, expected in enumerate(running_expected_tokens(accept), start=1):
-        seconds = t_plain * curve(i + 1) + i * per_token
+        seconds = t_plain * curve(i + 1) + i * per_token + once
         if expected - rate * seconds > best[1] - rate * best[2]:
             best = (i, expected, seconds)
     return best

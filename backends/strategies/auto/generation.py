@@ -259,7 +259,8 @@ class Generation:
         """
         st, draft = self.state, self.draft
         assert draft is not None
-        rule = PMin(self.sps.p_min, first_always=True) if explore else DraftPays(st, self.costs, k_max)
+        rule = PMin(self.sps.p_min, first_always=True) if explore else DraftPays(st, self.costs, k_max,
+                                                                                    draft.chain_max is not None)
         t_draft = self.costs.t_draft(self.costs.t_plain())
         t0 = time.perf_counter()
         draft.plan(k_max)  # a block drafter's block (backends.dflash)
