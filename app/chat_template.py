@@ -11,6 +11,7 @@ templates shipped in GGUFs are written for it.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -33,6 +34,11 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+
+
+def new_call_id() -> str:
+    """A new call's id, as OpenAI spells them."""
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True)

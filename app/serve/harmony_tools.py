@@ -39,9 +39,8 @@ from __future__ import annotations
 import json
 from typing import Callable, Sequence
 
-from app.chat_template import ToolCall
+from app.chat_template import ToolCall, new_call_id
 from backends.grammar import JSON_LAYOUT, llama_server_schema
-from app.serve.tools import new_call_id
 from backends.harmony import START, HarmonySplitter
 from backends.reasoning import HARMONY
 from backends.text import TextStream

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from app.chat_template import ChatMessage, ToolCall
+from app.chat_template import ChatMessage, ToolCall, new_call_id
 from backends.grammar import JSON_LAYOUT
+from app.serve.harmony_tools import grammar as harmony_grammar
 from backends.harmony import is_harmony
 
 ToolFormat = Literal["hermes", "llama3", "generic", "harmony"]
@@ -219,9 +219,7 @@ def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat, para
         return None
     must = choice.must_call
     if fmt == "harmony":  # what follows the call's header, which is forced (harmony_tools.forced_header)
-        from app.serve.harmony_tools import grammar
-
-        return grammar([(t.name, dict(t.parameters)) for t in callable_], marker) if must else None
+        return harmony_grammar([(t.name, dict(t.parameters)) for t in callable_], marker) if must else None
     if fmt == "generic":
         call = {"type": "object", "properties": {"tool_call": _any([_call_schema(t) for t in callable_])},
                 "required": ["tool_call"], "additionalProperties": False}
@@ -242,10 +240,6 @@ def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat, para
 
 
 # -- the answer -----------------------------------------------------------------
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def _as_call(obj: object, args_key: str) -> ToolCall | None:
