@@ -24,12 +24,16 @@ def _small(tiny, tmp_path, monkeypatch):
     return app_for(tiny_settings(tiny.small_target.name, tiny.small_draft.name, "sps", 40), tmp_path)
 
 
+def _pin_stats(chat) -> None:
+    """The stats bar's figures pinned (the real answer's tokens, a fixed speed and baseline)."""
+    live = chat.stats.live
+    chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+
+
 async def _answered(pilot) -> None:
     await wait_loaded(pilot)
     await send(pilot, "a b")
-    chat = pilot.app.chat
-    live = chat.stats.live
-    chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+    _pin_stats(pilot.app.chat)
     await pilot.pause()
 
 
@@ -74,8 +78,7 @@ def test_a_thinking_answer_folded(snap_compare, thinking_models, tmp_path, monke
         await wait_loaded(pilot)
         await send(pilot, "What is the capital of France? Explain.")
         chat = pilot.app.chat
-        live = chat.stats.live
-        chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+        _pin_stats(chat)
         block = chat.transcript.answers()[-1].thinking
         assert block.visible and not block.expanded, "folded once the answer started"
         block.seconds = 1.0
