@@ -59,14 +59,14 @@ def _engine(path: Path, **kw) -> Engine:
 
 @pytest.fixture(scope="module")
 def agreeing(mtp_files: MtpFiles) -> Engine:
-    engine = _engine(mtp_files.agreeing)
+    engine = _engine(mtp_files.agreeing, n_seq_max=16)  # sequence ids for a tree's paths
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def random_head(mtp_files: MtpFiles) -> Engine:
-    engine = _engine(mtp_files.random)
+    engine = _engine(mtp_files.random, n_seq_max=16)
     yield engine
     engine.close()
 
@@ -95,18 +95,24 @@ def test_no_mtp_loads_the_target_alone(mtp_files: MtpFiles) -> None:
 def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest) -> None:
     engine: Engine = request.getfixturevalue(which)
     accepted = rejected = 0
+    tree = {"drafted": 0, "accepted": 0}
     for prompt in PROMPTS:
         params = GenParams(max_tokens=48, temperature=0.0)
         want = run_to_done(engine, "ar", prompt, params).tokens
-        for strategy in ("sps", "auto"):
+        for strategy in ("sps", "auto", "tree"):
             done = run_to_done(engine, strategy, prompt, params, SPS)
             assert done.tokens == want, f"{strategy} on {which} differs from ar"
-        sps = run_to_done(engine, "sps", prompt, params, SPS)
-        accepted += sps.stats.accepted
-        rejected += sps.stats.drafted - sps.stats.accepted
+            if strategy == "sps":
+                accepted += done.stats.accepted
+                rejected += done.stats.drafted - done.stats.accepted
+            elif strategy == "tree":
+                tree["drafted"] += done.stats.drafted
+                tree["accepted"] += done.stats.accepted
+    assert tree["drafted"] > 0, "the tree drafted with the head (its verifying path ran)"
     rate = accepted / (accepted + rejected)
     if which == "agreeing":  # the head often agrees: the accepting paths ran (chains of 4, so deep ones fail)
         assert accepted > 50 and rate > 0.4, (accepted, rejected)
+        assert tree["accepted"] > 50, tree  # the tree's accepting path ran too
     else:
         assert rate < 0.2, (accepted, rejected)
 
