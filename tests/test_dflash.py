@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
-from backends.config import StrategyOptions
+from backends.config import StrategyOptions, TreeConfig
 from backends.dflash import DFlashSequence
 from backends.engine import Engine, EngineConfig
 from backends.events import StepEnd, Token
@@ -201,14 +201,18 @@ def test_a_block_reads_the_injected_context(files: DFlashFiles) -> None:
         engine.close()
 
 
-def test_sampling_keeps_the_targets_law(files: DFlashFiles) -> None:
+@pytest.mark.parametrize("strategy", ["sps", "tree"])
+def test_sampling_keeps_the_targets_law(files: DFlashFiles, strategy: str) -> None:
+    """Chains and trees of the block draft's drafts, rejection-sampled: the first two tokens' law is the target's
+    (chi-square at stats_helpers.ALPHA)."""
     engine = _engine(files.small)
     try:
         assert engine.drafter == "dflash"
         prompt = [1, 5, 7, 9]
         params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         law = target_law(engine, prompt, params)
-        counts, accepted = empirical(engine, "sps", prompt, params, 3000, SPS)
+        options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
+        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
         assert accepted > 300, "the draft's drafts must be accepted often enough to test the accepting path"
         p_value = fits_law(counts, law)
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"

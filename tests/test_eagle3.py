@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.config import StrategyOptions
+from backends.config import StrategyOptions, TreeConfig
 from backends.eagle3 import Eagle3Sequence, check_eagle3
 from backends.engine import Engine, EngineConfig
 from backends.events import Token
@@ -195,14 +195,18 @@ def test_the_drafts_reduced_vocabulary_keeps_q_a_distribution(agreeing: Engine) 
     agreeing.slots[0].reset()
 
 
-def test_sampling_keeps_the_targets_law(files: Eagle3Files) -> None:
+@pytest.mark.parametrize("strategy", ["sps", "tree"])
+def test_sampling_keeps_the_targets_law(files: Eagle3Files, strategy: str) -> None:
+    """Chains and trees of the EAGLE-3 draft's drafts, rejection-sampled: the first two tokens' law is the target's
+    (chi-square at stats_helpers.ALPHA)."""
     engine = _engine(files.small)
     try:
         assert engine.drafter == "eagle3"
         prompt = [1, 4, 6, 8]
         params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
         law = target_law(engine, prompt, params)
-        counts, accepted = empirical(engine, "sps", prompt, params, 3000, SPS)
+        options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
+        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
         assert accepted > 500, "the draft's drafts must be accepted often enough to test the accepting path"
         p_value = fits_law(counts, law)
         assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
