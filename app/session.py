@@ -209,7 +209,8 @@ class ChatSession:
     def keep_cells(self) -> None:
         """The last turn's cells onto disk (backends.kv_store), once: after the answer was shown, since copying
         them takes a moment (docs/results.md, "KV cells on disk"; the write runs on a thread of its own).
-        turn() does it when its consumer reads past Done; the chat app, whose stream stops at Done, calls it."""
+        turn() does it when its consumer reads past Done; the chat app, whose stream stops at Done, calls it once
+        the chat is idle (a next message sent at once meets no copy, no write), and close() does at the end."""
         if not self._unkept or self.kv_store is None:
             return
         self._unkept = False
@@ -217,6 +218,16 @@ class ChatSession:
         entry = snapshot(slot.target, slot.draft)
         if entry is not None:
             self.kv_store.put(entry)
+
+    def close(self) -> None:
+        """Before the engine goes: what the last turn left kept, and every write on disk. A failure here loses
+        only cells (the conversation's text is saved apart): the prompt decodes next time."""
+        try:
+            self.keep_cells()
+        except Exception:  # noqa: BLE001 - a cache, not the conversation
+            pass
+        if self.kv_store is not None:
+            self.kv_store.close()
 
     def _restore(self, prompt: list[int]) -> None:
         """The conversation's cells from disk where they start the prompt beyond what the cache holds (a

@@ -31,6 +31,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, ProgressBar
 
 from app.conversations import Conversation, ConversationStore, new_conversation_id, now_iso
@@ -56,6 +57,11 @@ from models.demo import GEMMA, SMOLLM2
 
 T = TypeVar("T")
 
+# A turn's cells go to disk (backends.kv_store) once the chat has been idle this long after the answer: a next
+# message sent sooner meets neither the copy of the cells nor their write (the turn after it keeps the longer
+# conversation), one typed later meets a finished write (docs/results.md, "The next turn while the last one's
+# cells go to disk"). Whatever is not kept yet is kept when the app closes or loads other models.
+KEEP_WHEN_IDLE_S = 2.0
 # Settings whose change needs the models loaded again.
 RELOAD_FIELDS = ("target", "draft", "n_ctx", "n_batch", "threads", "n_gpu_layers", "n_gpu_layers_draft", "rpc")
 
@@ -92,6 +98,7 @@ class ChatScreen(Screen):
         self._cancel = threading.Event()
         self._pacer = Pacer()  # the interval between token batches, from what showing them costs
         self._answer: AnswerView | None = None
+        self._keep_timer: Timer | None = None  # keeps the last turn's cells once the chat is idle
         self._plain_speeds: list[float] = []
         self.last_done: Done | None = None  # the last turn's end, with its stats
 
@@ -143,11 +150,11 @@ class ChatScreen(Screen):
             self.notify("wait for the current answer or load to finish (Escape stops an answer)", severity="warning")
             return
         self.loading = True
-        old = self.engine
+        old, old_session = self.engine, self.session
         self.engine = self.session = None
         self.stats.show(state="loading…")
         self.mount(ProgressBar(total=None, show_eta=False, id="load-progress"), before=self.stats)
-        self._load_worker(self.settings, old)
+        self._load_worker(self.settings, old, old_session)
 
     def _on_engine_thread(self, job: Callable[[], T]) -> T:
         """Run `job` on the engine thread, one job at a time; returns its result (or raises its exception)."""
@@ -155,10 +162,12 @@ class ChatScreen(Screen):
             return self._engine_thread.submit(job).result()
 
     @work(thread=True, group="engine", exit_on_error=False)
-    def _load_worker(self, settings: Settings, old: Engine | None) -> None:
+    def _load_worker(self, settings: Settings, old: Engine | None, old_session: ChatSession | None) -> None:
         post = self.post_message
 
         def load() -> Engine:
+            if old_session is not None:
+                old_session.close()
             if old is not None:
                 old.close()  # before loading: two big models at once may not fit in memory
             return open_engine(settings, CHAT_N_SEQ_MAX, lambda msg: post(LoadProgress(msg)), announce=True)
@@ -230,6 +239,7 @@ class ChatScreen(Screen):
         self._answer = AnswerView(s.speculation_view)
         self.transcript.add(self._answer)
         self.generating = True
+        self._stop_keeping()  # the turn after this one keeps the longer conversation
         self._cancel.clear()
         self.stats.show(state="answering…")
         self._turn_worker(self.session, text, request)
@@ -239,11 +249,29 @@ class ChatScreen(Screen):
         try:
             self._on_engine_thread(lambda: stream_events(
                 request.strategy, session.turn(text, request, self._cancel.is_set), self.post_message, self._pacer))
-            self._on_engine_thread(session.keep_cells)  # the answer is shown: its cells go to disk now
+            self.app.call_from_thread(self._keep_when_idle)
         except ThinkingError as e:  # thinking off where the model cannot turn it off: what to do instead
             self.post_message(TurnFailed(f"{e} (F7 turns thinking back on; F4 sets a Thinking budget)"))
         except Exception as e:  # a prompt that does not fit, a template error, a bad setting
             self.post_message(TurnFailed(describe(e)))
+
+    def _keep_when_idle(self) -> None:
+        self._stop_keeping()
+        self._keep_timer = self.set_timer(KEEP_WHEN_IDLE_S, self._keep_now)
+
+    def _stop_keeping(self) -> None:
+        if self._keep_timer is not None:
+            self._keep_timer.stop()
+            self._keep_timer = None
+
+    def _keep_now(self) -> None:
+        self._keep_timer = None
+        if self.session is not None and not self.generating and not self.loading:
+            self._keep_worker(self.session)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _keep_worker(self, session: ChatSession) -> None:
+        self._on_engine_thread(session.keep_cells)
 
     def watch_generating(self, generating: bool) -> None:
         # Each blink of the cursor is a frame of its own, and while an answer streams every frame is CPU time
@@ -414,6 +442,8 @@ class ChatScreen(Screen):
         if self._engine_lock.acquire(timeout=10):
             try:
                 if self.engine is not None:
+                    if self.session is not None:
+                        self.session.close()
                     self.engine.close()
                     self.engine = self.session = None
             finally:
