@@ -440,3 +440,23 @@ def test_a_draft_that_cannot_pay_even_always_right_is_neither_tried_nor_kept_in_
             assert (len(engine.slots[0].draft.tokens) > 0) == used, "kept in step only when it may pay"
         finally:
             engine.close()
+
+
+def test_the_draft_takes_a_long_prompt_only_where_the_answer_can_repay_it(tiny) -> None:
+    """Alone, the draft takes the prompt after the first tokens, so that its tries find it caught up; but a
+    long prompt it does not hold, before a short answer, would stall that answer for tries it cannot repay:
+    it then stays behind (generation.EAGER_SHARE). The same prompt before a long answer is taken (the test
+    can fail either way). Priced: a plain step 10 ms, a draft decode 2 ms, a caught-up token 0.3 ms
+    (CATCH_UP_PRIOR); 5% of 8 tokens' plain time is 4 ms, of 256 tokens' 128 ms."""
+    curve = BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16)))
+    for max_tokens, taken in ((8, False), (256, True)):
+        engine = _engine(tiny, tiny.draft, DeviceCost(curve, 0.2))
+        try:
+            prompt = engine.tokenize(" ".join(TINY_PROMPTS * 40))[:300]  # a catch-up of 0.09 s, priced
+            done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True))
+            assert done.reason == "length", done
+            held = len(engine.slots[0].draft.tokens)
+            assert (held >= len(prompt) - 1) == taken, (max_tokens, held, len(prompt))
+        finally:
+            engine.close()
