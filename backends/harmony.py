@@ -145,8 +145,9 @@ class HarmonySplitter:
         """Inside an analysis message."""
         return self._in_body and self._body == REASONING
 
-    def _release(self, piece: str, final: bool) -> tuple[str, str]:
-        """A piece of the current body: (reasoning, answer); `final`: the message ends after it."""
+    def _release(self, piece: str, final: bool, tag: str = "") -> tuple[str, str]:
+        """A piece of the current body: (reasoning, answer); `final`: the message ends after it (at `tag`, where
+        a terminator ended it)."""
         if self._body == REASONING:
             text = self._ws + piece
             if self._lead:
@@ -194,7 +195,7 @@ class HarmonySplitter:
             ends = [(i, t) for t in TERMINATORS if (i := self._buf.find(t)) >= 0]
             if ends:
                 i, tag = min(ends)
-                r, c = self._release(self._buf[:i], final=True)
+                r, c = self._release(self._buf[:i], final=True, tag=tag)
                 self._buf, self._in_body = self._buf[i + len(tag):], False
             else:
                 keep = _held(self._buf, TERMINATORS)
@@ -228,3 +229,30 @@ class HarmonySplitter:
         self.reasoning += reasoning
         self.content += content
         return reasoning, content
+
+
+class AsWritten(HarmonySplitter):
+    """reasoning_format none for gpt-oss, as llama.cpp's gpt-oss parser has it (common/parsers/gpt-oss.cpp:79-83,
+    test-chat.cpp:6442): nothing taken out as reasoning, all of it content, where an analysis message stays as
+    written (its header less the `<|start|>assistant` before it, its body untrimmed, its terminator), and the
+    final and commentary messages give their bodies alone, as written; a message to a recipient is left out
+    (a call, read apart, as in the split), and text that is not harmony is the content as it is."""
+
+    def __init__(self, fmt: "ReasoningFormat", opened: bool | None = None) -> None:
+        super().__init__(fmt, opened)
+        self._head = ""  # an analysis message's header, released with its body
+
+    def _header(self) -> bool | None:
+        before = self._buf
+        began = super()._header()
+        if began and self._body == REASONING:
+            self._head = re.sub(r"^\s*(?:<\|start\|>assistant)?", "", before[:len(before) - len(self._buf)])
+        return began
+
+    def _release(self, piece: str, final: bool, tag: str = "") -> tuple[str, str]:
+        if self._body == REASONING:
+            out, self._head = self._head + piece + tag, ""
+            return "", out
+        if self._body == CONTENT:
+            return "", piece
+        return super()._release(piece, final, tag)

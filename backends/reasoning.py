@@ -240,6 +240,23 @@ def new_splitter(fmt: ReasoningFormat, opened: bool | None = None) -> Splitter |
     return HarmonySplitter(fmt, opened) if fmt.channels else Splitter(fmt, opened)
 
 
+def opening(fmt: ReasoningFormat, prompt: str) -> str:
+    """What the generation prompt wrote of the thinking block: the prompt's text from its last start tag on, where
+    the output goes on inside that block (QwQ's and the R1 distills' `<think>\n`, a reasoning continued) or the
+    prompt ends with it closed (Qwen3's thinking off: `<think>\n\n</think>\n\n`); "" where the prompt leaves
+    the block to the model. llama.cpp parses the generation prompt and the output as one text, the prompt's
+    head before the start tag consumed (common/chat.cpp:1459, chat-peg-parser.cpp:869's prefix(),
+    chat-auto-parser-generator.cpp:134; its gemma4 and gpt-oss parsers likewise): under reasoning_format none,
+    where nothing is taken out as reasoning, its content starts with this (test-chat.cpp:2159, 2707)."""
+    i = prompt.rfind(fmt.start)
+    if i < 0:
+        return ""
+    j = prompt.rfind(fmt.end)
+    if j < i or not prompt[j + len(fmt.end):].strip():
+        return prompt[i:]
+    return ""
+
+
 def split(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
     """A whole output's (reasoning, answer)."""
     s = new_splitter(fmt)

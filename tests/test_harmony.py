@@ -8,10 +8,11 @@ expects with reasoning_format auto out. A case with tools (`.tools(...)`) keeps
 its reasoning and content: the call itself is not the splitter's to parse, and
 it leaves the call's message out of both, as llama.cpp leaves out a call it was
 not asked for (lines 6546-6563). The structured-output case (6531) is taken
-for its split only. Not taken: reasoning_format none (6442: no split) and the
-content continuation (6583: the prefilled answer is the request's); the
-reasoning continuation (6593) runs the splitter opened, and its reasoning is
-the output's part of "I'm thinking". test-chat.cpp compares with surrounding
+for its split only. reasoning_format none (6442) keeps the analysis as written
+in the content (backends.harmony.AsWritten). Not taken: the content
+continuation (6583: the prefilled answer is the request's); the reasoning
+continuation (6593) runs the splitter opened, and its reasoning is the
+output's part of "I'm thinking". test-chat.cpp compares with surrounding
 whitespace stripped, as the splitter trims. Every case is also streamed one
 character at a time and in seeded random chunks, and a harmony answer over
 SmolLM2's real token boundaries, where each tag is spelled as several tokens.
@@ -39,7 +40,7 @@ import pytest
 
 from app.chat_template import ChatMessage, ToolCall, render_chat
 from backends.events import REJECTED, Done, GenStats, Prefilled, Token
-from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter
+from backends.harmony import ANALYSIS, END, FINAL, AsWritten, HarmonySplitter
 from backends.reasoning import HARMONY, ReasoningFormat, Thinking, detect_format, new_splitter, split
 from backends.sampling import GenParams
 from backends.text import rendering
@@ -141,6 +142,33 @@ def test_split_whole_per_character_and_in_random_chunks(case: Case) -> None:
     for _ in range(25):
         pieces = _chunks(case.text, rng)
         assert _streamed(case.fmt, pieces) == expected, pieces
+
+
+# reasoning_format none: (line, what the generation prompt wrote of the analysis, the output, the content)
+NONE = [
+    (6442, "", f"{ANALYSIS}{THOUGHTS}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}",
+     f"{ANALYSIS}{THOUGHTS}<|end|>{ANSWER}"),
+    # beyond it: a call is left out; the reasoning continued (6593's prompt) stays in it; text that is not harmony
+    (0, "", f"{ANALYSIS}x<|end|><|start|>assistant to=functions.f<|channel|>commentary<|message|>{CALL}<|call|>",
+     f"{ANALYSIS}x<|end|>"),
+    (0, f"{ANALYSIS}I'm", f" thinking<|end|>{FINAL}{ANSWER}", f"{ANALYSIS}I'm thinking<|end|>{ANSWER}"),
+    (0, "", f"  {THOUGHTS} ", f"  {THOUGHTS} "),
+]
+
+
+@pytest.mark.parametrize("line, opened, text, content", NONE, ids=[f"L{n[0]}-{i}" for i, n in enumerate(NONE)])
+def test_reasoning_format_none_keeps_the_analysis_as_written(line: int, opened: str, text: str, content: str) -> None:
+    """All of it content, whole and streamed (per character, random chunks), and through the server's RawStream
+    with the prompt's opening."""
+    from app.serve.responses import RawStream
+
+    rng = random.Random(text)
+    for pieces in ([opened + text], list(opened + text), *(_chunks(opened + text, rng) for _ in range(10))):
+        s = AsWritten(HARMONY)
+        out = [s.push(p) for p in pieces] + [s.flush()]
+        assert ("".join(r for r, _ in out), "".join(c for _, c in out)) == ("", content) == (s.reasoning, s.content)
+    stream = RawStream(lambda i: text[i].encode(), (), opened, harmony=True)
+    assert "".join(stream.push(i) for i in range(len(text))) + stream.flush() == content
 
 
 def test_the_tag_splitter_refuses_harmony() -> None:

@@ -22,7 +22,6 @@ lines 1167-1195).
 
 Not taken from test-chat.cpp, as things the splitter does not do:
 - cases with tool calls (`.tools(...)`) or a response format (`.json_schema(...)`): they parse the answer further;
-- reasoning_format none cases (no splitting: the tags stay in the content);
 - continuation cases (`continue_final_message`): the prefilled reasoning is the request's, not the output's;
 - Gemma 4's stray-tag edge cases (lines 3155-3177: channel tags repeated after the answer or doubled before
   the block, which its dedicated parser drops);
@@ -34,6 +33,11 @@ test-chat.cpp's content inside its markers. The content-only cases marked "(none
 none there: an output with no tag splits the same under auto. test-chat.cpp has no unclosed-block case for a
 tag format; the unclosed cases cite Kimi-K3's (line 4889, whose input has no tag at all) and chat.cpp's
 lenient parse (line 1465: an until() at the end of the input matches it).
+
+reasoning_format none (test-chat.cpp's `COMMON_REASONING_FORMAT_NONE` cases for these formats, lines 2156,
+2704, 3011; 4716 has tools): nothing split, the content is the output as written after what the generation
+prompt wrote of the block (backends.reasoning.opening: llama.cpp parses the two as one text), through the
+server's stream (app.serve.responses.RawStream) one character at a time too.
 
 Detection: the templates from llama.cpp's models/templates (copied into tests/data/templates) rendered
 through app.chat_template.render_chat with enable_thinking true and false; the expected tags, `opened` and
@@ -51,7 +55,7 @@ import pytest
 
 from app.chat_template import ChatMessage, render_chat
 from backends.harmony import ANALYSIS, END, FINAL
-from backends.reasoning import ReasoningFormat, Splitter, detect_format, new_splitter, split
+from backends.reasoning import ReasoningFormat, Splitter, detect_format, new_splitter, opening, split
 
 THINK = ReasoningFormat("<think>", "</think>")
 THINK_OPEN = ReasoningFormat("<think>", "</think>", opened=True)
@@ -187,6 +191,54 @@ def test_opened_argument_overrides_the_format(case: Case) -> None:
     assert (s.reasoning, s.content) == (case.reasoning, case.content)
 
 
+# --- reasoning_format none ---
+
+
+@dataclass(frozen=True)
+class NoneCase:
+    line: int  # in test-chat.cpp
+    fmt: ReasoningFormat
+    prompt: str  # the template's generation prompt
+    text: str
+    content: str
+    template: str = ""  # in tests/data/templates: the whole prompt rendered from it (ending with `prompt`)
+
+    def __str__(self) -> str:
+        return f"L{self.line}-{self.fmt.start}"
+
+
+NONE_CASES = [
+    # Qwen3.5 with enable_thinking (its generation prompt: test-chat.cpp:7001)
+    NoneCase(2156, THINK_OPEN, "<|im_start|>assistant\n<think>\n",
+             "I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?",
+             "<think>\nI'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", "Qwen3.5-4B"),
+    # Nemotron 3 Nano with enable_thinking (llama.cpp's models/templates/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja:200)
+    NoneCase(2704, THINK_OPEN, "<|im_start|>assistant\n<think>\n", "I'm\nthinking\n</think>\nHello, world!\nWhat's up?",
+             "<think>\nI'm\nthinking\n</think>\nHello, world!\nWhat's up?"),
+    # Gemma 4: the model opens the block itself (its generation prompt: test-chat.cpp:7013)
+    NoneCase(3011, GEMMA4, "<|turn>model\n", "<|channel>thought\nI'm\nthinking<channel|>Hello, world!\nWhat's up?",
+             "<|channel>thought\nI'm\nthinking<channel|>Hello, world!\nWhat's up?", "google-gemma-4-31B-it"),
+]
+
+
+@pytest.mark.parametrize("case", NONE_CASES, ids=str)
+def test_reasoning_format_none_is_the_prompts_opening_and_the_output_as_written(case: NoneCase) -> None:
+    """The content of test-chat.cpp's reasoning_format none cases: whole, and streamed through the server's
+    RawStream one character (a stand-in token) at a time, the opening in its first piece."""
+    from app.serve.responses import RawStream
+
+    prompt = case.prompt
+    if case.template:
+        template = (TEMPLATES / f"{case.template}.jinja").read_text(encoding="utf-8")
+        prompt = render_chat(template, [ChatMessage("user", "Hey there!")], "", "", kwargs={"enable_thinking": True})
+        assert prompt.endswith(case.prompt), prompt[-200:]
+    opened = opening(case.fmt, prompt)
+    assert opened + case.text == case.content
+    stream = RawStream(lambda i: case.text[i].encode(), (), opened)
+    pieces = [stream.push(i) for i in range(len(case.text))] + [stream.flush()]
+    assert pieces[0] == opened + case.text[0] and "".join(pieces) == case.content
+
+
 # --- template detection ---
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -282,6 +334,29 @@ def test_detected_format_splits_its_own_generation(case: TemplateCase) -> None:
     text = body if case.expected.opened else f"{fmt.start}\n{body}"
     assert split(fmt, text) == (THOUGHTS, ANSWER)
     assert _streamed(fmt, list(text)) == (THOUGHTS, ANSWER)
+
+
+# What each template's generation prompt writes of the block, thinking on and off: llama.cpp's content under
+# reasoning_format none starts with it (the prompt's part from the start tag: chat-auto-parser-generator.cpp:134).
+OPENINGS = {
+    "Qwen-Qwen3-0.6B": ("", "<think>\n\n</think>\n\n"),
+    "Qwen3.5-4B": ("<think>\n", "<think>\n\n</think>\n\n"),
+    "Qwen-QwQ-32B": ("<think>\n", "<think>\n</think>"),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("<think>\n", "<think>\n</think>"),
+    "HuggingFaceTB-SmolLM3-3B": ("", "<think>\n\n</think>\n"),  # its /think system prompt's closed tags are not it
+    "google-gemma-4-31B-it": ("", "<|channel>thought\n<channel|>"),
+    "mistralai-Ministral-3-14B-Reasoning-2512": ("", ""),  # nor is the tag pair its system prompt quotes
+    "openai-gpt-oss-120b": ("", ""),
+}
+
+
+@pytest.mark.parametrize("case", [c for c in TEMPLATE_CASES if c.expected is not None], ids=str)
+def test_the_opening_is_what_the_generation_prompt_wrote_of_the_block(case: TemplateCase) -> None:
+    _, render = _renderer(case)
+    on, off = render({"enable_thinking": True}), render({"enable_thinking": False})
+    assert (opening(case.expected, on), opening(case.expected, off)) == OPENINGS[case.name]
+    for text, opened in ((on, OPENINGS[case.name][0]), (off, OPENINGS[case.name][1])):
+        assert text.endswith(opened) and (case.expected.start in opened or not opened)
 
 
 def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() -> None:

@@ -129,11 +129,23 @@ def test_reasoning_format_none_keeps_the_output_as_written(qwq: Served) -> None:
     raw = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=24, reasoning_format="none").choices[0].message
     assert _reasoning(raw) is None and "</think>" in raw.content
     thought, _, answer = raw.content.partition("</think>")
-    assert (thought.strip(), answer.strip()) == (_reasoning(split), split.content)
+    assert (thought.removeprefix("<think>\n").strip(), answer.strip()) == (_reasoning(split), split.content)
     reasoning, content, _, _ = _streamed(qwq, "smollm2-qwq", reasoning_budget_tokens=24, reasoning_format="none")
     assert (reasoning, content) == ("", raw.content)
     deepseek = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=24, reasoning_format="deepseek").choices[0].message
     assert (_reasoning(deepseek), deepseek.content) == (_reasoning(split), split.content)
+
+
+@pytest.mark.xfail(strict=True, reason="the opening (backends.reasoning.opening) reaches app.serve.responses.Reply "
+                   "only once app/serve/http.py passes it from the worker, which this change could not touch")
+def test_reasoning_format_none_starts_with_what_the_prompt_opened(qwq: Served) -> None:
+    """As llama-server gives it (test-chat.cpp:2159): QwQ's prompt opens the block (`<think>\n`), and the content
+    is that opening, then the output as written, whole and streamed (the first content delta carries it)."""
+    raw = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=24, reasoning_format="none").choices[0].message
+    assert raw.content.startswith("<think>\n") and raw.content.count("<think>") == 1
+    _, content, chunks, _ = _streamed(qwq, "smollm2-qwq", reasoning_budget_tokens=24, reasoning_format="none")
+    first = next(c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content)
+    assert content == raw.content and first.startswith("<think>\n") and len(first) > len("<think>\n")
 
 
 def test_greedy_answers_are_the_same_under_ar_and_the_default_strategy(qwq: Served) -> None:

@@ -16,9 +16,10 @@ from app.serve.request import GenRequest
 from app.serve.harmony_tools import HarmonyToolStream, calls_of
 from app.serve.tools import ToolFormat, ToolStream, parse_answer
 from backends.events import Done, GenStats, Token
+from backends.harmony import AsWritten
+from backends.reasoning import HARMONY
 from backends.text import TextStream
 from backends.registry import strategy_label
-
 
 
 # -- responses -------------------------------------------------------------------
@@ -67,6 +68,32 @@ def timings(stats: GenStats, label: str) -> dict[str, object]:
     }
 
 
+class RawStream:
+    """reasoning_format "none": a choice's content as llama.cpp gives it, from the output's token ids (push each,
+    flush at the end): what the generation prompt wrote of the thinking block (`opening`,
+    backends.reasoning.opening), then the output as written, stop strings cut as the strategies cut them; for
+    gpt-oss, its messages as llama.cpp's gpt-oss parser keeps them (backends.harmony.AsWritten)."""
+
+    def __init__(self, piece: Callable[[int], bytes], stop: tuple[str, ...], opening: str = "",
+                 harmony: bool = False) -> None:
+        self._stream = TextStream(piece, stop)
+        self._opening = opening
+        self._harmony = AsWritten(HARMONY, opened=False) if harmony else None
+
+    def _written(self, text: str) -> str:
+        text, self._opening = self._opening + text, ""
+        return text if self._harmony is None else self._harmony.push(text)[1]
+
+    def push(self, token: int) -> str:
+        """The content this output token releases ('' while held back)."""
+        return self._written(self._stream.push(token))
+
+    def flush(self) -> str:
+        """At the output's end: the content held back."""
+        out = self._written(self._stream.flush())
+        return out if self._harmony is None else out + self._harmony.flush()[1]
+
+
 def _piece(piece: Callable[[int], bytes], token: int) -> tuple[str, list[int]]:
     raw = piece(token)
     return raw.decode("utf-8", errors="replace"), list(raw)
@@ -79,8 +106,8 @@ class Reply:
     `piece` renders a token id (log-probabilities list tokens by their text and bytes); `tool_format` is how
     the model calls tools (app.serve.tools), used when the request offers them; `thinks`: a thinking model's
     chat whose reasoning goes to `reasoning_content` (the Done's and Tokens' `reasoning`), apart from `content`;
-    `raw`: one with reasoning_format "none", whose content is the output as written, tags and all (its tokens'
-    pieces through `raw_stream`, stop strings cut as the strategies cut them).
+    `raw`: one with reasoning_format "none", whose content is the output as written, tags and all, as llama.cpp
+    gives it (`raw_stream`), `opening` first: what the generation prompt wrote of the thinking block.
     """
 
     request: GenRequest
@@ -90,6 +117,7 @@ class Reply:
     thinks: bool = False
     raw: bool = False
     call_piece: Callable[[int], bytes] | None = None  # harmony's calls: the tokens' pieces, markers rendered
+    opening: str = ""  # reasoning_format none: the prompt's part of the thinking block (backends.reasoning.opening)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -106,19 +134,21 @@ class Reply:
         return {"id": prefix + self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def raw_stream(self) -> TextStream | None:
-        """For a `raw` answer: its text from its token ids (push each output token, flush at the end)."""
-        return TextStream(self.piece, self.request.params.stop) if self.raw else None
+    def raw_stream(self) -> RawStream | None:
+        """For a `raw` answer: its content from its token ids (push each output token, flush at the end); gpt-oss's
+        read with its markers rendered."""
+        if not self.raw:
+            return None
+        harmony = self.tool_format == "harmony"
+        piece = (self.call_piece or self.piece) if harmony else self.piece
+        return RawStream(piece, self.request.params.stop, self.opening, harmony)
 
     def _text(self, done: Done) -> str:
-        """A choice's content: the answer, or for a `raw` one everything the model wrote."""
+        """A choice's content: the answer, or for a `raw` one everything the model wrote (as llama.cpp shows it)."""
         stream = self.raw_stream()
         if stream is None:
             return done.text
-        for token in done.tokens:
-            stream.push(token)
-        stream.flush()
-        return stream.text
+        return "".join(stream.push(token) for token in done.tokens) + stream.flush()
 
     @property
     def _names(self) -> list[str]:
