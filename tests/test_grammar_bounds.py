@@ -10,6 +10,7 @@ import pytest
 
 from backends.engine import Engine
 from backends.grammar import NUMBER_BOUND, compile_grammar, llama_server_schema
+from backends.registry import NEEDS_DRAFT, STRATEGIES
 from backends.sampling import GenParams
 from app.prompt_format import PromptFormat
 from engine_helpers import run_to_done
@@ -32,8 +33,11 @@ def test_unbounded_numbers_are_bounded_and_objects_closed_and_nothing_else_chang
     assert len(str(NUMBER_BOUND)) == 16
 
 
-@pytest.mark.parametrize("strategy", ["ar", "auto", "sps"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_population_schema_closes_with_every_strategy(instruct_engine: Engine, strategy: str) -> None:
+    """Every strategy of the registry (those that draft with a model, sps and tree, with SmolLM2's Q2_K draft,
+    which instruct_engine loads)."""
+    assert instruct_engine.draft_model is not None or strategy not in NEEDS_DRAFT
     model = instruct_engine.target_model
     schema = {"type": "object", "properties": {"population": {"type": "integer"}}}
     grammar = compile_grammar("json_schema", schema, model.guidance_tokenizer, model.n_vocab)
