@@ -17,6 +17,7 @@ import pytest
 
 from backends.config import StrategyOptions
 from backends.engine import Engine
+from backends.registry import STRATEGIES
 from backends.kv_store import KvKey, KvStoreError, read_entry, restore, snapshot, write_entry
 from backends.sampling import GenParams
 from app.prompt_format import PromptFormat
@@ -30,7 +31,7 @@ def _prompt(engine: Engine, extra: str = "") -> list[int]:
     return PromptFormat(engine).prompt(LONG + extra)
 
 
-@pytest.mark.parametrize("strategy", ["ar", "sps", "lookup", "tree", "auto"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_restored_prompt_continues_as_the_decoded_one(instruct_pair, instruct_engine: Engine, strategy: str,
                                                         tmp_path: Path) -> None:
     """The prompt decoded, its cells (target and draft) written; the slot emptied, the file read back into it:

@@ -136,8 +136,6 @@ def test_reasoning_format_none_keeps_the_output_as_written(qwq: Served) -> None:
     assert (_reasoning(deepseek), deepseek.content) == (_reasoning(split), split.content)
 
 
-@pytest.mark.xfail(strict=True, reason="the opening (backends.reasoning.opening) reaches app.serve.responses.Reply "
-                   "only once app/serve/http.py passes it from the worker, which this change could not touch")
 def test_reasoning_format_none_starts_with_what_the_prompt_opened(qwq: Served) -> None:
     """As llama-server gives it (test-chat.cpp:2159): QwQ's prompt opens the block (`<think>\n`), and the content
     is that opening, then the output as written, whole and streamed (the first content delta carries it)."""

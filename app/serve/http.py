@@ -248,7 +248,8 @@ class Server:
         thinks = self.worker.reasoning is not None and endpoint == "chat"
         reply = Reply(gen, model, self.worker.engine.target_model.piece, self.worker.tool_format,
                       thinks=thinks and gen.thinking.split, raw=thinks and not gen.thinking.split,
-                      call_piece=self.worker.call_piece)
+                      call_piece=self.worker.call_piece,
+                      opening=self.worker.opening(gen) if thinks and not gen.thinking.split else "")
         try:
             first = await _unless_gone(job.events.get(), job, request)  # Started, or Failed
             if isinstance(first, Failed):

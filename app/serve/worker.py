@@ -25,6 +25,7 @@ from backends.config import PROMPT_CACHE_MIB
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
 from backends.harmony import PRESERVED
+from backends.reasoning import opening
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
 from backends.text import rendering
@@ -302,6 +303,14 @@ class EngineWorker:
                 raise ValueError(f"the prompt has token ids outside the vocabulary (0..{n_vocab - 1})")
             return list(request.prompt), params
         return self.format.raw(request.prompt), params
+
+    def opening(self, request: GenRequest) -> str:
+        """reasoning_format none: what the chat's generation prompt writes of the thinking block, which the content
+        starts with (backends.reasoning.opening)."""
+        if self.reasoning is None or request.endpoint != "chat":
+            return ""
+        messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
+        return opening(self.reasoning, self.format.render(messages, tools=tools, kwargs=request.thinking.kwargs))
 
     def _admit(self, job: Job) -> None:
         """Start `job`'s choices in free slots (there are enough), or answer it at once (cancelled, or refused
