@@ -13,15 +13,22 @@ resend the same long prefix, and a chat whose slot another client took, without
 decoding their prompts again; greedy output is the same either way (the
 restored cells are the ones the prompt would have decoded).
 
-Bounded in bytes, least recently used first out. An entry whose tokens
-another entry extends is replaced by it (the longer one serves every prompt
-the shorter one did).
+An entry is a slot's target cells and, where the slot has a draft sequence
+(a draft model, an MTP head, an EAGLE-3 or DFlash drafter) that holds the
+same conversation, the draft's cells with them (backends.kv_store.KvEntry):
+both are put back together, so that a strategy that drafts does not decode
+the prompt again in the draft. A draft that lagged holds fewer tokens; what
+it lacks it decodes, as without the cache.
+
+Bounded in bytes (the target's and the draft's cells), least recently used
+first out. An entry whose tokens another entry extends is replaced by it (the
+longer one serves every prompt the shorter one did).
 
 With a disk store (backends.kv_store.KvDiskStore), what leaves RAM for room
 goes to disk, and a prompt that no RAM entry starts well is looked up there;
-when the server stops, every entry and every slot's cells go to disk
-(`spill`), so a restarted server answers a returning conversation or an
-agent's long prefix at once.
+when the server stops, every entry and every slot's cells (target and draft)
+go to disk (`spill`), so a restarted server answers a returning conversation
+or an agent's long prefix at once.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from backends.kv import KvSequence, common_prefix
-from backends.kv_store import KvDiskStore, KvEntry, restore
+from backends.kv_store import KvDiskStore, KvEntry
 
 # A slot's cells are saved only when they hold at least this many tokens, and a saved conversation is put back
 # only when that spares decoding at least this many: fewer decode in about one plain step (48 prompt tokens of
@@ -47,94 +54,122 @@ class CacheStats:
     saved: int  # conversations saved in all
     restored: int  # requests that started from a saved conversation
     tokens_restored: int  # prompt tokens those did not decode
+    draft_tokens_restored: int  # prompt tokens their drafts did not decode
 
     def as_json(self) -> dict[str, int]:
         return asdict(self)
 
 
+def _snapshot(target: KvSequence, draft: KvSequence | None) -> KvEntry:
+    """A slot's cells as an entry, in the buffers llama.cpp wrote them into (no copy): the draft's too where it
+    holds the target's conversation (at least MIN_TOKENS of its tokens; not a conversation a strategy without a
+    draft has since replaced in the target). The draft is saved first, as kv_store.snapshot does: an MTP head
+    drops its drafted rows when saved."""
+    draft_tokens: tuple[int, ...] = ()
+    draft_state = bytearray()
+    if draft is not None and common_prefix(draft.tokens, target.tokens) >= MIN_TOKENS:
+        draft_state = draft.save()
+        draft_tokens = tuple(draft.tokens)
+    return KvEntry(tuple(target.tokens), target.save(), draft_tokens, draft_state)  # type: ignore[arg-type]
+
+
+def _writable(state: bytes) -> bytearray:
+    """llama.cpp reads a state from a writable buffer: a RAM entry's as it is, a disk entry's copied."""
+    return state if isinstance(state, bytearray) else bytearray(state)
+
+
 class PromptCache:
-    """Saved sequence states by their tokens, at most `max_bytes` in all (0: off)."""
+    """Saved slot states (target and draft) by the target's tokens, at most `max_bytes` in all (0: off)."""
 
     def __init__(self, max_bytes: int, disk: KvDiskStore | None = None) -> None:
         if max_bytes < 0:
             raise ValueError("the prompt cache's size must be 0 (off) or more")
         self.max_bytes = max_bytes
         self.disk = disk
-        self._entries: OrderedDict[tuple[int, ...], bytearray] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[tuple[int, ...], KvEntry] = OrderedDict()  # least recently used first
         self._bytes = 0
-        self._saved = self._restored = self._tokens_restored = 0
+        self._saved = self._restored = self._tokens_restored = self._draft_tokens_restored = 0
 
     def stats(self) -> CacheStats:
-        return CacheStats(len(self._entries), self._bytes, self._saved, self._restored, self._tokens_restored)
+        return CacheStats(len(self._entries), self._bytes, self._saved, self._restored, self._tokens_restored,
+                          self._draft_tokens_restored)
 
-    def before_prompt(self, seq: KvSequence, prompt: Sequence[int]) -> None:
-        """`seq` is about to take `prompt`: keep what it holds when the prompt would lose most of it, then start
-        it from the saved conversation sharing the longest prefix with the prompt, where that beats what it
-        holds by at least MIN_TOKENS."""
+    def before_prompt(self, target: KvSequence, draft: KvSequence | None, prompt: Sequence[int]) -> None:
+        """A slot (its `target` sequence, and its `draft` or None) is about to take `prompt`: keep what it holds
+        when the prompt would lose most of it, then start it from the saved conversation sharing the longest
+        prefix with the prompt, where that beats what it holds by at least MIN_TOKENS."""
         if not self.max_bytes:
             return
-        keep = common_prefix(seq.tokens, prompt)
-        if len(seq.tokens) >= MIN_TOKENS and keep < len(seq.tokens) / 2:
-            self._put(tuple(seq.tokens), seq)
+        keep = common_prefix(target.tokens, prompt)
+        if len(target.tokens) >= MIN_TOKENS and keep < len(target.tokens) / 2:
+            self._put(target, draft)
         best, shared = None, keep
         for tokens in self._entries:
             n = common_prefix(tokens, prompt)
             if n > shared:
                 best, shared = tokens, n
         if best is None or shared - keep < MIN_TOKENS:
-            self._from_disk(seq, prompt, max(keep, shared))
+            entry = self.disk.best(prompt, max(keep, shared)) if self.disk is not None else None
+            if entry is not None:
+                self._put_back(entry, target, draft, prompt)
             return
         self._entries.move_to_end(best)
-        if seq.restore(best, self._entries[best]):
-            self._restored += 1
-            self._tokens_restored += shared - keep
-        else:  # no room for its cells now: the prompt decodes as it would have without the cache
-            self._drop(best)
+        if not self._put_back(self._entries[best], target, draft, prompt):
+            self._drop(best)  # no room for its cells now: the prompt decodes as it would have without the cache
 
-    def _put(self, tokens: tuple[int, ...], seq: KvSequence) -> None:
+    def _put_back(self, entry: KvEntry, target: KvSequence, draft: KvSequence | None,
+                  prompt: Sequence[int]) -> bool:
+        """The entry's cells into the slot: the target's, and the draft's where they start the prompt further
+        than what the draft holds. Whole: the strategy's syncing cuts what the prompt does not share, where
+        llama.cpp can (a cache that cannot is decoded again, KvSequence._cut). False when llama.cpp could not
+        take the target's (the slot then holds nothing of the target's: the prompt decodes)."""
+        keep = common_prefix(target.tokens, prompt)
+        if not target.restore(entry.target_tokens, _writable(entry.target_state)):
+            return False
+        self._restored += 1
+        self._tokens_restored += common_prefix(entry.target_tokens, prompt) - keep
+        if draft is not None and entry.draft_state:
+            had, shared = common_prefix(draft.tokens, prompt), common_prefix(entry.draft_tokens, prompt)
+            if shared > had and draft.restore(entry.draft_tokens, _writable(entry.draft_state)):
+                self._draft_tokens_restored += shared - had
+        return True
+
+    def _put(self, target: KvSequence, draft: KvSequence | None) -> None:
+        tokens = tuple(target.tokens)
+        with_draft = draft is not None and common_prefix(draft.tokens, tokens) >= MIN_TOKENS
         shorter = []
-        for other in self._entries:
+        for other, kept in self._entries.items():
             if other[:len(tokens)] == tokens[:len(other)]:  # one extends the other
-                if len(other) >= len(tokens):
+                # The longer one stays; of two alike, the one that holds a draft's cells.
+                if len(other) > len(tokens) or (len(other) == len(tokens) and (kept.draft_state or not with_draft)):
                     self._entries.move_to_end(other)
                     return
                 shorter.append(other)
-        state = seq.save()
-        if len(state) > self.max_bytes:  # never fits: the shorter entries it extends stay
+        entry = _snapshot(target, draft)
+        if entry.nbytes > self.max_bytes:  # never fits: the shorter entries it extends stay
             return
         for other in shorter:
             self._drop(other)
-        while self._bytes + len(state) > self.max_bytes:
+        while self._bytes + entry.nbytes > self.max_bytes:
             oldest = next(iter(self._entries))
-            if self.disk is not None:  # out of RAM, onto disk
-                self.disk.put(KvEntry(oldest, bytes(self._entries[oldest])))
+            if self.disk is not None:  # out of RAM, onto disk (RAM keeps no reference: the buffers are not copied)
+                self.disk.put(self._entries[oldest])
             self._drop(oldest)
-        self._entries[tokens] = state
-        self._bytes += len(state)
+        self._entries[tokens] = entry
+        self._bytes += entry.nbytes
         self._saved += 1
 
     def _drop(self, tokens: tuple[int, ...]) -> None:
-        self._bytes -= len(self._entries.pop(tokens))
+        self._bytes -= self._entries.pop(tokens).nbytes
 
-    def _from_disk(self, seq: KvSequence, prompt: Sequence[int], holds: int) -> None:
-        """The disk store's entry that starts `prompt` best, where it beats `holds` tokens by MIN_TOKENS."""
+    def spill(self, held: Sequence[tuple[KvSequence, KvSequence | None]] = ()) -> None:
+        """Every entry, and the cells each slot of `held` (its target and draft sequences) holds, onto disk (the
+        server stops); waits for the writes."""
         if self.disk is None:
             return
-        entry = self.disk.best(prompt, holds)
-        if entry is not None:
-            before = common_prefix(seq.tokens, prompt)
-            n = restore(entry, seq, None, prompt)
-            if n:
-                self._restored += 1
-                self._tokens_restored += n - before
-
-    def spill(self, held: Sequence[KvSequence] = ()) -> None:
-        """Every entry, and the cells each of `held` holds, onto disk (the server stops); waits for the writes."""
-        if self.disk is None:
-            return
-        for tokens, state in self._entries.items():
-            self.disk.put(KvEntry(tokens, bytes(state)))
-        for seq in held:
-            if seq.tokens:
-                self.disk.put(KvEntry(tuple(seq.tokens), bytes(seq.save())))
+        for entry in self._entries.values():
+            self.disk.put(entry)
+        for target, draft in held:
+            if target.tokens:
+                self.disk.put(_snapshot(target, draft))
         self.disk.close()

@@ -6,10 +6,11 @@ sequence ids and cells, backends.slot) and steps them all with one
 slot when it ends. Of the free slots it takes the one whose cache holds the
 longest prefix of the prompt (of those, the least recently used), as
 llama-server picks a slot by prompt similarity, so a conversation that comes
-back decodes only its new turn; what a slot gives up for a new prompt is kept
-in RAM and put back when its conversation returns (backends.prompt_cache). A
-generation whose machine raises, or ends in an error, ends alone and its slot
-is emptied (what a step left half done in its caches is unknown).
+back decodes only its new turn; what a slot gives up for a new prompt (its
+target's cells and its draft's) is kept in RAM and put back when its
+conversation returns (backends.prompt_cache). A generation whose machine
+raises, or ends in an error, ends alone and its slot is emptied (what a step
+left half done in its caches is unknown).
 
 The choices of one request (`n` > 1) share its prompt: the first decodes it,
 the others wait for it (`backends.steps.PAUSE`) and then hold the same
@@ -57,8 +58,9 @@ class SlotPool:
             slot.load = self.scheduler.load
 
     def spill(self) -> None:
-        """The server stops: the prompt cache and every slot's cells onto disk (backends.prompt_cache)."""
-        self.prompt_cache.spill([slot.target for slot in self.engine.slots])
+        """The server stops: the prompt cache and every slot's cells (target and draft) onto disk
+        (backends.prompt_cache)."""
+        self.prompt_cache.spill([(slot.target, slot.draft) for slot in self.engine.slots])
 
     @property
     def size(self) -> int:
@@ -94,7 +96,8 @@ class SlotPool:
         if share is not None:
             steps = self._sharing(share, slot, prompt, steps)
         else:
-            self.prompt_cache.before_prompt(self.engine.slots[slot].target, prompt)
+            s = self.engine.slots[slot]
+            self.prompt_cache.before_prompt(s.target, s.draft, prompt)
             self.cache_stats = self.prompt_cache.stats()
         self.free.remove(slot)
         self._admitted += 1

@@ -1,6 +1,7 @@
 """The server's prompt cache (backends.prompt_cache) on real llama.cpp: what a slot gives up for a new prompt is
-saved in RAM and put back when its conversation returns, with the same greedy text, no leaked cells, and
-within its bound; `specchat serve -np 1` serves two alternating conversations without decoding them again.
+saved in RAM (its target's cells and its draft's: a draft model, an MTP head, an EAGLE-3 or DFlash drafter) and
+put back when its conversation returns, with the same greedy text, no leaked cells, and within its bound;
+`specchat serve -np 1` serves two alternating conversations without decoding them again.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import pytest
 from backends.config import StrategyOptions
 from backends.engine import Engine, EngineConfig
 from backends.events import Done, Event
+from backends.kv import common_prefix
 from backends.prompt_cache import MIN_TOKENS, PromptCache
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
+from dflash_factory import DFlashPair, write_dflash_pair
+from drafter_factory import MtpModel, write_mtp_target
+from eagle3_factory import Eagle3Pair, write_eagle3_pair
 from serve_helpers import start_server, stop_server
 from test_batching import _leaks
 
@@ -33,13 +38,45 @@ def one_slot(tiny) -> Engine:
     engine.close()
 
 
-def _run(pool: SlotPool, prompt: list[int], strategy: str = "ar") -> Done:
+@pytest.fixture(scope="module", params=["draft model", "mtp", "eagle3", "dflash"])
+def drafted(request, one_slot: Engine, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """One slot with each kind of draft sequence: a draft model's (the tiny pair), a target's MTP head, an EAGLE-3
+    and a DFlash drafter (the agreeing files of tests/test_mtp.py, test_eagle3.py, test_dflash.py)."""
+    if request.param == "draft model":
+        yield one_slot
+        return
+    d = tmp_path_factory.mktemp(request.param)
+    target, draft = d / "target.gguf", d / "draft.gguf"
+    if request.param == "mtp":
+        write_mtp_target(target, MtpModel(residual=0.1, head_noise=0.1))
+        draft = None
+    elif request.param == "eagle3":
+        write_eagle3_pair(target, draft, model=Eagle3Pair(residual=0.02, head_noise=0.1))
+    else:
+        write_dflash_pair(target, draft, model=DFlashPair(residual=0.02, sharpness=3.0, noise=0.1, ffn_noise=0.1,
+                                                          mix=8.0))
+    engine = Engine(EngineConfig(target=target, draft=draft, n_ctx=512, threads=1, n_seq_max=4, n_parallel=1,
+                                 cost_cache=None, memory=False))
+    assert engine.slots[0].draft is not None
+    yield engine
+    engine.close()
+
+
+def _admit(pool: SlotPool, prompt: list[int], strategy: str = "ar") -> list[Event]:
     events: list[Event] = []
     pool.admit(strategy, StrategyOptions(), prompt, GREEDY, events.append)
+    return events
+
+
+def _finish(pool: SlotPool, events: list[Event]) -> Done:
     pool.run()
     done = events[-1]
     assert isinstance(done, Done) and done.reason == "length", done
     return done
+
+
+def _run(pool: SlotPool, prompt: list[int], strategy: str = "ar") -> Done:
+    return _finish(pool, _admit(pool, prompt, strategy))
 
 
 def _fresh_pool(engine: Engine, cache_mib: int = 64) -> SlotPool:
@@ -64,6 +101,32 @@ def test_a_conversation_that_lost_its_slot_is_put_back(one_slot: Engine) -> None
     stats = pool.prompt_cache.stats()
     assert stats.restored == 4 and stats.tokens_restored > 0
     assert _leaks(one_slot) == []
+    held, recorded = pool.cells()
+    assert held == recorded
+
+
+def test_a_conversation_s_draft_cells_come_back_with_its_target_s(drafted: Engine) -> None:
+    """The slot given up keeps its draft's cells beside its target's: when the conversation returns, the draft
+    holds its prompt again (not the other conversation's cells, which it would decode the prompt after), and
+    sps says token for token what ar says."""
+    engine = drafted
+    pool = _fresh_pool(engine)
+    draft = engine.slots[0].draft
+    a, b = (engine.tokenize(t) for t in TEXTS[:2])
+    assert len(a) >= 2 * MIN_TOKENS and common_prefix(a, b) < MIN_TOKENS
+    want = _run(pool, a).tokens
+    assert _run(pool, a, "sps").tokens == want  # the draft decodes a's conversation
+    assert common_prefix(draft.tokens, a) >= len(a) - 1
+    _run(pool, b, "sps")  # takes the only slot: a's cells, the target's and the draft's, are saved first
+    assert common_prefix(draft.tokens, a) < MIN_TOKENS
+    events = _admit(pool, a, "sps")
+    assert common_prefix(draft.tokens, a) >= len(a) - 1, "the draft's cells came back with the target's"
+    stats = pool.prompt_cache.stats()
+    assert stats.restored == 1 and stats.draft_tokens_restored >= len(a) - 1 - MIN_TOKENS
+    again = _finish(pool, events)
+    assert again.stats.prompt_cached == len(a) - 1
+    assert again.tokens == want
+    assert _leaks(engine) == []
     held, recorded = pool.cells()
     assert held == recorded
 
