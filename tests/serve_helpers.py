@@ -12,8 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -94,6 +96,29 @@ def stop_server(served: Served) -> None:
     assert "specchat serve: stopped" in served.log()
     log = served.log()
     assert log.count("Traceback") <= log.count("generation failed"), "a traceback no failed generation explains"
+
+
+def at_once(served: Served, calls: Sequence[Callable[[], object]]) -> tuple[list[object], int]:
+    """Each call on a thread of its own, all started together: what each returned (or the exception it raised),
+    and the most requests the server's /health showed running meanwhile."""
+    got: list[object] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            got[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001 - the caller's assertions report it
+            got[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    most = 0
+    while any(t.is_alive() for t in threads):
+        most = max(most, served.health()["running"])
+        time.sleep(0.005)
+    for t in threads:
+        t.join()
+    return got, most
 
 
 def timings_of(obj: object) -> dict[str, object]:

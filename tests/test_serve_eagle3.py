@@ -7,8 +7,6 @@ through the draft's context), and none once the slots are erased, as at the star
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 from eagle3_factory import Eagle3Pair, write_eagle3_pair
 from engine_helpers import BATCH_NOISE, min_greedy_gap, run_to_done
-from serve_helpers import API_KEY, Served, spec, start_server, stop_server, timings_of
+from serve_helpers import API_KEY, Served, at_once, spec, start_server, stop_server, timings_of
 
 
 @dataclass(frozen=True)
@@ -97,23 +95,7 @@ def test_mixed_concurrent_clients_with_the_eagle3_draft(served: Served, alone: d
     start = served.health()
     assert start["parallel"] == 4 and start["kv_cells"] == start["kv_cached"] == 0 and start["kv_errors"] == 0
     asks = GREEDY + SAMPLED
-    got: list[tuple | BaseException | None] = [None] * len(asks)
-
-    def ask(i: int) -> None:
-        try:
-            got[i] = _answer(served, asks[i])
-        except BaseException as e:  # noqa: BLE001 - reported below
-            got[i] = e
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
-    for t in threads:
-        t.start()
-    most = 0
-    while any(t.is_alive() for t in threads):
-        most = max(most, served.health()["running"])
-        time.sleep(0.005)
-    for t in threads:
-        t.join()
+    got, most = at_once(served, [lambda a=a: _answer(served, a) for a in asks])
     failed = [(a, g) for a, g in zip(asks, got) if not isinstance(g, tuple)]
     assert not failed, failed
     assert most == 4, f"at most {most} requests decoded at once"

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 from engine_helpers import BATCH_NOISE, min_greedy_gap
-from serve_helpers import API_KEY, Served, spec, timings_of
+from serve_helpers import API_KEY, Served, at_once, spec, timings_of
 
 # Prompts whose greedy answers (48 tokens) have no near-tie that batching could flip (checked below).
 CONCURRENT = [("the cat sat on the mat", "ar"), ("once the dog sat", "sps"), ("the house ran", "lookup"),
@@ -42,21 +42,9 @@ def test_concurrent_clients_decode_together_and_each_gets_its_text(server: Serve
     their turn, and each answer (every strategy, streamed or not) is the one it gets alone."""
     client = server.client()
     alone = [_answer(client, p, s, stream=False) for p, s in CONCURRENT]
-    got: list[str | None] = [None] * len(CONCURRENT)
-
-    def ask(i: int) -> None:
-        prompt, strategy = CONCURRENT[i]
-        got[i] = _answer(server.client(), prompt, strategy, stream=i % 2 == 0)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(CONCURRENT))]
-    for t in threads:
-        t.start()
-    most = 0
-    while any(t.is_alive() for t in threads):
-        most = max(most, server.health()["running"])
-        time.sleep(0.005)
-    for t in threads:
-        t.join()
+    got, most = at_once(server, [lambda i=i, prompt=prompt, strategy=strategy:
+                                 _answer(server.client(), prompt, strategy, stream=i % 2 == 0)
+                                 for i, (prompt, strategy) in enumerate(CONCURRENT)])
     assert most == 4, f"at most {most} requests decoded at once"
     assert got == alone
     health = server.health()
