@@ -143,19 +143,28 @@ def _digest(*blobs: bytes) -> str:
     return h.hexdigest()
 
 
-def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None = None) -> KvEntry | None:
+def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None = None, *, copy: bool = True,
+             draft_shares: int = 0) -> KvEntry | None:
     """The cells of a slot's target (and draft) as an entry, each cut to its first `upto` tokens (the prompt
-    of a run: what it held after is the answer); None when the target holds nothing."""
+    of a run: what it held after is the answer); None when the target holds nothing. The draft's cells are in
+    where the draft holds tokens and shares at least `draft_shares` of them with the target (the prompt cache
+    asks for its MIN_TOKENS: not a conversation a strategy without a draft has since replaced in the
+    target). `copy=False` keeps the buffers llama.cpp wrote the cells into (bytearrays, for an owner that
+    holds the only reference: the RAM prompt cache); otherwise they are copied to bytes."""
+    from backends.kv import common_prefix
+
     for seq in (target, draft):
         if seq is not None and upto is not None and len(seq.tokens) > upto:
             seq.truncate(upto)
     if not target.tokens:
         return None
-    draft_tokens, draft_state = (), b""
-    if draft is not None and draft.tokens:
-        draft_state = bytes(draft.save())  # first: an MTP head drops its drafted rows when saved
+    own = bytes if copy else (lambda state: state)
+    draft_tokens: tuple[int, ...] = ()
+    draft_state: bytes = b"" if copy else bytearray()
+    if draft is not None and draft.tokens and common_prefix(draft.tokens, target.tokens) >= draft_shares:
+        draft_state = own(draft.save())  # first: an MTP head drops its drafted rows when saved
         draft_tokens = tuple(draft.tokens)
-    return KvEntry(tuple(target.tokens), bytes(target.save()), draft_tokens, draft_state)
+    return KvEntry(tuple(target.tokens), own(target.save()), draft_tokens, draft_state)
 
 
 def restore(entry: KvEntry, target: "KvSequence", draft: "KvSequence | None", prompt: Sequence[int]) -> int:

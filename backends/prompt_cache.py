@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from backends.kv import KvSequence, common_prefix
-from backends.kv_store import KvDiskStore, KvEntry
+from backends.kv_store import KvDiskStore, KvEntry, snapshot
 
 # A slot's cells are saved only when they hold at least this many tokens, and a saved conversation is put back
 # only when that spares decoding at least this many: fewer decode in about one plain step (48 prompt tokens of
@@ -61,16 +61,11 @@ class CacheStats:
 
 
 def _snapshot(target: KvSequence, draft: KvSequence | None) -> KvEntry:
-    """A slot's cells as an entry, in the buffers llama.cpp wrote them into (no copy): the draft's too where it
-    holds the target's conversation (at least MIN_TOKENS of its tokens; not a conversation a strategy without a
-    draft has since replaced in the target). The draft is saved first, as kv_store.snapshot does: an MTP head
-    drops its drafted rows when saved."""
-    draft_tokens: tuple[int, ...] = ()
-    draft_state = bytearray()
-    if draft is not None and common_prefix(draft.tokens, target.tokens) >= MIN_TOKENS:
-        draft_state = draft.save()
-        draft_tokens = tuple(draft.tokens)
-    return KvEntry(tuple(target.tokens), target.save(), draft_tokens, draft_state)  # type: ignore[arg-type]
+    """A slot's cells (it holds some) as an entry, in the buffers llama.cpp wrote them into (no copy): the
+    draft's too where it holds the target's conversation (kv_store.snapshot)."""
+    entry = snapshot(target, draft, copy=False, draft_shares=MIN_TOKENS)
+    assert entry is not None, "a slot with no cells is not saved"
+    return entry
 
 
 def _writable(state: bytes) -> bytearray:
