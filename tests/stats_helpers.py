@@ -1,6 +1,13 @@
-"""Exact output laws computed from the target, and the chi-square check against them."""
+"""Exact output laws computed from the target, and the chi-square check against them.
+
+`assert_target_law` is the check of every test that a strategy samples the target's law (outcome counts of
+seeded runs against `target_law`); `assert_fits` the same check on arrays (a sampling rule against an exact
+distribution). Each test states its significance `alpha` (most use ALPHA: a correct rule fails a check with
+that probability; one off by a few percent of mass fails almost surely at the tests' sample sizes)."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 from scipy.stats import chisquare
@@ -57,8 +64,21 @@ def empirical(engine: Engine, strategy: str, prompt: list[int], params: GenParam
     return counts, accepted
 
 
-def fits_law(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float]) -> float:
-    """Chi-square p-value of the counts under the law (rare outcomes merged so each cell expects >= 5)."""
+def assert_fits(counts: Sequence[float], probs: Sequence[float], *, alpha: float,
+                what: str = "the counts do not fit the law") -> None:
+    """The counts fit the probabilities (chi-square p-value above `alpha`; a count where the probability is 0
+    fails at once)."""
+    observed, expected = np.asarray(counts), np.asarray(probs, dtype=float)
+    support = expected > 0
+    assert observed[~support].sum() == 0, "an outcome with probability 0 was produced"
+    n = observed.sum()
+    p_value = float(chisquare(observed[support], expected[support] / expected[support].sum() * n).pvalue)
+    assert p_value > alpha, f"{what} (chi-square p = {p_value:.2e}, alpha {alpha:g})"
+
+
+def assert_target_law(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float], *, alpha: float,
+                      what: str = "output law differs from the target's") -> None:
+    """The outcome counts fit the law (`assert_fits`, rare outcomes merged so each cell expects >= 5)."""
     runs = sum(counts.values())
     impossible = [k for k in counts if k not in law]
     assert not impossible, f"outcomes with probability 0 under the target: {impossible}"
@@ -73,4 +93,4 @@ def fits_law(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], floa
     if rest_e > 0:
         observed.append(rest_o)
         expected.append(rest_e)
-    return float(chisquare(observed, np.array(expected) * runs / sum(expected)).pvalue)
+    assert_fits(observed, expected, alpha=alpha, what=what)

@@ -25,7 +25,7 @@ from backends.strategies.auto.decide import BACKOFF_MAX, MIN_EXPLORE_INTERVAL, T
 from backends.strategies.auto.state import AutoState, confidence_bin, lookup_acceptance, lookup_key
 from auto_helpers import NO_EXPLORING, TINY_PROMPTS, flat, steep, synthetic_engine as _engine
 from engine_helpers import remember_continuations, run_to_done
-from stats_helpers import ALPHA, fits_law, outcome, target_law
+from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
 
 
@@ -361,8 +361,7 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict
             choices.update(done.stats.steps_by_choice)
         assert all(choices[c] > least for c, least in mixed.items()), f"the test must mix steps: {choices}"
         assert sum(choices[c] for c in mixed if c != "plain") > 1000, choices
-        p_value = fits_law(counts, law)
-        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+        assert_target_law(counts, law, alpha=ALPHA)
     finally:
         engine.close()
 
@@ -418,8 +417,7 @@ def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) ->
             counts[outcome(engine, done)] = counts.get(outcome(engine, done), 0) + 1
             trees += int(done.stats.extra.get("memory_tree_steps", 0))
         assert trees > 1500, f"the memory's trees were verified ({trees} tree steps)"
-        p_value = fits_law(counts, law)
-        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+        assert_target_law(counts, law, alpha=ALPHA)
     finally:
         engine.close()
 

@@ -27,7 +27,7 @@ from backends.strategies.auto.choose import TRYING
 from backends.strategies.auto.state import AutoState
 from auto_helpers import steep
 from engine_helpers import BATCH_NOISE, divergences_from_alone
-from stats_helpers import ALPHA, fits_law, outcome, target_law
+from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_lossless import PROMPT, PARAMS
 
 STRATEGIES = ["ar", "sps", "lookup", "lookahead", "tree", "auto", "sps", "ar"]
@@ -167,8 +167,7 @@ def test_sampling_under_load_keeps_the_target_law(tiny, strategy: str) -> None:
             counts[key] = counts.get(key, 0) + 1
             accepted += done.stats.accepted
         assert accepted > runs // 10, "the drafts were accepted often enough to matter"
-        p_value = fits_law(counts, law)
-        assert p_value > ALPHA, f"output law under load differs from the target's (chi-square p = {p_value:.2e})"
+        assert_target_law(counts, law, alpha=ALPHA, what="output law under load differs from the target's")
     finally:
         engine.close()
 

@@ -32,7 +32,7 @@ from eagle3_factory import Eagle3Pair, write_eagle3_pair
 from engine_helpers import run_to_done
 from gguf_factory import spm_vocab
 from models.errors import ModelError
-from stats_helpers import ALPHA, empirical, fits_law, target_law
+from stats_helpers import ALPHA, assert_target_law, empirical, target_law
 
 SPS = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0, adaptive=False))
 PROMPTS = ([1, 300, 301, 302, 303], [1, 259 + 4, 259 + 9, 259 + 2], [1, 271, 283, 290, 305, 300, 271])
@@ -208,8 +208,7 @@ def test_sampling_keeps_the_targets_law(files: Eagle3Files, strategy: str) -> No
         options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
         counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
         assert accepted > 500, "the draft's drafts must be accepted often enough to test the accepting path"
-        p_value = fits_law(counts, law)
-        assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+        assert_target_law(counts, law, alpha=ALPHA)
     finally:
         engine.close()
 

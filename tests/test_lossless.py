@@ -17,7 +17,7 @@ from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
 from engine_helpers import run_to_done
-from stats_helpers import ALPHA, fits_law, outcome, target_law
+from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 
 RUNS = 4000
 PROMPT = [1, 4, 6, 8]  # <s> ▁a ▁b ▁c
@@ -49,8 +49,7 @@ def _empirical(engine: Engine, strategy: str, prompt: list[int], params: GenPara
 def test_output_law_is_the_targets(small_engine: Engine, strategy: str, params: GenParams) -> None:
     law = target_law(small_engine, PROMPT, params)
     counts, _ = _empirical(small_engine, strategy, PROMPT, params, RUNS)
-    p_value = fits_law(counts, law)
-    assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+    assert_target_law(counts, law, alpha=ALPHA)
 
 
 def _copying_prompt(engine: Engine) -> list[int]:
@@ -73,8 +72,7 @@ def test_deterministic_drafts_keep_the_target_law(small_engine: Engine, strategy
     law = target_law(small_engine, prompt, params)
     counts, accepted = _empirical(small_engine, strategy, prompt, params, 3000)
     assert accepted > 600, "the test must exercise acceptance often"
-    p_value = fits_law(counts, law)
-    assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+    assert_target_law(counts, law, alpha=ALPHA)
 
 
 def test_sps_sampling_accepts_some_and_rejects_some(small_engine: Engine) -> None:

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from backends.sampling import GenParams, _top_k_ids, probabilities, sample, sample_logits
 from backends.verify import Verdict, choose_among_candidates, verify_draft_sampling, verify_greedy, verify_one_hot_chain
+from stats_helpers import assert_fits
 
 ALPHA = 1e-4
-
-
-def _fits(counts: np.ndarray, expected_probs: np.ndarray) -> float:
-    """p-value of the observed counts under expected_probs (cells with zero probability must be empty)."""
-    support = expected_probs > 0
-    assert counts[~support].sum() == 0, "a token with probability 0 was produced"
-    n = counts.sum()
-    return float(chisquare(counts[support], expected_probs[support] / expected_probs[support].sum() * n).pvalue)
 
 
 def _random_dist(rng: np.random.Generator, n: int, zeros: int = 0) -> np.ndarray:
@@ -85,7 +77,7 @@ def test_sample_follows_distribution() -> None:
     rng = np.random.default_rng(1)
     p = _random_dist(rng, 8, zeros=2)
     counts = np.bincount([sample(p, rng) for _ in range(20000)], minlength=8)
-    assert _fits(counts, p) > ALPHA
+    assert_fits(counts, p, alpha=ALPHA)
 
 
 def test_verify_greedy_stops_at_first_mismatch() -> None:
@@ -111,7 +103,7 @@ def test_rejection_sampling_first_token_is_target_distributed(seed: int) -> None
         token = x if verdict.n_accepted == 1 else verdict.next_token
         accepted += verdict.n_accepted
         counts[token] += 1
-    assert _fits(counts, p) > ALPHA
+    assert_fits(counts, p, alpha=ALPHA)
     # The acceptance rate is sum(min(p, q)) (Leviathan et al., Theorem 3.5).
     assert abs(accepted / trials - np.minimum(p, q).sum()) < 0.015
 
@@ -137,7 +129,7 @@ def test_rejection_sampling_two_positions_joint_distribution() -> None:
             first, second = d1, d2
         counts[first, second] += 1
     expected = np.array([[p1[x] * p2[x][y] for y in range(n)] for x in range(n)])
-    assert _fits(counts.ravel(), expected.ravel()) > ALPHA
+    assert_fits(counts.ravel(), expected.ravel(), alpha=ALPHA)
 
 
 def test_one_hot_candidates_are_target_distributed() -> None:
@@ -148,7 +140,7 @@ def test_one_hot_candidates_are_target_distributed() -> None:
     counts = np.zeros(8, dtype=np.int64)
     for _ in range(30000):
         counts[choose_among_candidates(p, candidates, rng)] += 1
-    assert _fits(counts, p) > ALPHA
+    assert_fits(counts, p, alpha=ALPHA)
 
 
 def test_one_hot_chain_accepts_in_proportion_to_target_mass() -> None:

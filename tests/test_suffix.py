@@ -30,7 +30,7 @@ from backends.sampling import GenParams
 from backends.strategies.suffix import prune_by_grammar, shaped
 from backends.token_tree import TokenTree
 from engine_helpers import remember_continuations, run_to_done
-from stats_helpers import ALPHA, fits_law, outcome, target_law
+from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 
 HASH = bytes(range(32))
 N_VOCAB = 300
@@ -252,8 +252,7 @@ def test_suffix_trees_keep_the_target_law(tiny, tmp_path: Path, strategy: str) -
             counts[outcome(engine, done)] = counts.get(outcome(engine, done), 0) + 1
             drafted += done.stats.drafted
         assert drafted > 3000, "trees were proposed"
-        p_value = fits_law(counts, law)
-        assert p_value > ALPHA, f"the law differs from the target's (chi-square p = {p_value:.2e})"
+        assert_target_law(counts, law, alpha=ALPHA, what="the law differs from the target's")
     finally:
         engine.close()
 

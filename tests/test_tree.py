@@ -21,7 +21,7 @@ from backends.sampling import GenParams
 from backends.strategies.tree import TreeSpeculation
 from backends.token_tree import TokenTree, TreeBuilder
 from engine_helpers import run_to_done
-from stats_helpers import ALPHA, fits_law, outcome, target_law
+from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch
 
 BUDGETS = [TreeConfig(1, 1, 1), TreeConfig(3, 2, 4), TreeConfig(4, 2, 8), TreeConfig(5, 3, 12)]
@@ -83,8 +83,7 @@ def test_tree_keeps_the_target_law(small_engine: Engine, config: TreeConfig) -> 
         leaves += done.stats.extra["mean_tree_leaves"]
     assert accepted > 600, "the test must exercise acceptance often"
     assert leaves / 3000 > 1.5, "the test must exercise siblings"
-    p_value = fits_law(counts, law)
-    assert p_value > ALPHA, f"output law differs from the target's (chi-square p = {p_value:.2e})"
+    assert_target_law(counts, law, alpha=ALPHA)
 
 
 def test_wider_tree_accepts_more_per_forward(tiny_engine: Engine) -> None:
