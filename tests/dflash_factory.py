@@ -46,7 +46,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
+from gguf_factory import Vocab, add_ffn, add_shape, add_vocab, gaussian, spm_vocab, write_llama_target, write_out
 
 DFLASH_ARCH = "dflash"
 MASK_PIECE = "<mask>"
@@ -91,18 +91,6 @@ class DFlashPair:
             raise ValueError("scales must be >= 0")
 
 
-def _add_shape(w: gguf.GGUFWriter, d: int, m: DFlashPair, n_layer: int, n_rot: int) -> None:
-    w.add_context_length(m.n_ctx)
-    w.add_embedding_length(d)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(m.n_ff)
-    w.add_head_count(m.n_head)
-    w.add_head_count_kv(m.n_head)
-    w.add_rope_dimension_count(n_rot)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-
 def write_dflash_pair(
     target_path: str | Path,
     draft_path: str | Path,
@@ -117,12 +105,8 @@ def write_dflash_pair(
         raise ValueError(f"the vocabulary needs a {MASK_PIECE} token")
     mask = vocab.tokens.index(MASK_PIECE)
     rng = np.random.default_rng(seed)
-    n_vocab, d, f, hd = len(vocab.tokens), m.n_embd, m.n_ff, m.n_embd // m.n_head
-
-    def rand(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return rng.normal(0.0, std, size=shape).astype(np.float32)
-
-    ones = np.ones(d, dtype=np.float32)
+    n_vocab, d, f = len(vocab.tokens), m.n_embd, m.n_ff
+    rand = gaussian(rng)
 
     # --- target: llama, layer outputs scaled by `residual`; embedding column 0 is the mask flag, unread by output
     embd = rand((n_vocab, d), 1.0)
@@ -130,24 +114,7 @@ def write_dflash_pair(
     embd[mask, 0] = -1.0
     out = rand((n_vocab, d), m.logit_scale)
     out[:, 0] = 0.0
-    w = gguf.GGUFWriter(str(target_path), "llama")
-    w.add_name("tiny-dflash-target")
-    _add_shape(w, d, m, m.n_layer, hd)
-    add_vocab(w, vocab)
-    w.add_tensor("token_embd.weight", embd)
-    s = 1.0 / np.sqrt(d)
-    for i in range(m.n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        for name in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(f"blk.{i}.{name}.weight", rand((d, d), s))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand((d, d), s * m.residual))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand((f, d), s))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand((f, d), s))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand((d, f), m.residual / np.sqrt(f)))
-    w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", out)
-    write_out(w)
+    write_llama_target(target_path, "tiny-dflash-target", vocab, m, rand, residual=m.residual, embd=embd, out=out)
 
     # --- draft: dflash, one layer, the target's token_embd and output through ctx_other (numpy shapes: out, in)
     dd = m.n_embd_draft or d
@@ -155,7 +122,8 @@ def write_dflash_pair(
     n_in = len(m.target_layers) * dd  # llama.cpp's injected row: n_layers x the draft's n_embd
     w = gguf.GGUFWriter(str(draft_path), DFLASH_ARCH)
     w.add_name("tiny-dflash-draft" if not m.markov_rank else "tiny-dspark-draft")
-    _add_shape(w, dd, m, 1, 8)  # rope on the first 8 dimensions of each head: the flag's (the last) is not rotated
+    # rope on the first 8 dimensions of each head: the flag's (the last) is not rotated
+    add_shape(w, m, n_layer=1, n_embd=dd, n_rot=8)
     w.add_array(f"{DFLASH_ARCH}.target_layers", [int(i) for i in m.target_layers])  # INT32 array
     w.add_uint32(f"{DFLASH_ARCH}.block_size", m.block_size)
     if m.markov_rank:
@@ -187,9 +155,7 @@ def write_dflash_pair(
     w.add_tensor("blk.0.attn_q_norm.weight", qk_norm)
     w.add_tensor("blk.0.attn_k_norm.weight", qk_norm.copy())
     w.add_tensor("blk.0.ffn_norm.weight", np.ones(dd, dtype=np.float32))
-    w.add_tensor("blk.0.ffn_gate.weight", rand((f, dd), 1.0 / np.sqrt(dd)))
-    w.add_tensor("blk.0.ffn_up.weight", rand((f, dd), 1.0 / np.sqrt(dd)))
-    w.add_tensor("blk.0.ffn_down.weight", rand((dd, f), m.ffn_noise / np.sqrt(f)))
+    add_ffn(w, 0, rand, dd, f, m.ffn_noise)
     w.add_tensor("output_norm.weight", np.ones(dd, dtype=np.float32))
     if m.markov_rank:
         w.add_tensor("markov_w1.weight", rand((n_vocab, m.markov_rank), 1.0))                   # {rank, n_vocab}

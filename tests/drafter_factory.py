@@ -29,7 +29,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
+from gguf_factory import Vocab, add_attention, add_ffn, add_vocab, gaussian, spm_vocab, write_out
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,7 @@ def write_mtp_target(path: Path, model: MtpModel = MtpModel(), vocab: Vocab | No
     n_all = model.n_layer + 1
     head_dim = d // model.n_head
 
-    def weight(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return rng.normal(0.0, std, size=shape).astype(np.float32)
+    weight = gaussian(rng)
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
@@ -109,14 +108,10 @@ def write_mtp_target(path: Path, model: MtpModel = MtpModel(), vocab: Vocab | No
         trunk = i < model.n_layer
         out_scale = model.residual if trunk else model.head_noise
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones(d))
-        for name in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(f"blk.{i}.{name}.weight", weight((d, d), sd))
-        w.add_tensor(f"blk.{i}.attn_output.weight", weight((d, d), sd * out_scale))
+        add_attention(w, i, weight, d, out_scale)
         w.add_tensor(f"blk.{i}.post_attention_norm.weight", ones(d))
         if trunk:
-            w.add_tensor(f"blk.{i}.ffn_gate.weight", weight((f, d), sd))
-            w.add_tensor(f"blk.{i}.ffn_up.weight", weight((f, d), sd))
-            w.add_tensor(f"blk.{i}.ffn_down.weight", weight((d, f), out_scale / np.sqrt(f)))
+            add_ffn(w, i, weight, d, f, out_scale)
             continue
         # The NextN block: an MoE layer (router, experts, one shared expert) after the MTP projection.
         w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", weight((ne, d), sd))

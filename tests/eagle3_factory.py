@@ -45,7 +45,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
+from gguf_factory import Vocab, add_ffn, add_shape, add_vocab, gaussian, spm_vocab, write_llama_target, write_out
 
 EAGLE3_ARCH = "eagle3"
 
@@ -81,18 +81,6 @@ def _rms(x: np.ndarray, eps: float = 1e-5) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _add_shape(w: gguf.GGUFWriter, m: Eagle3Pair, n_layer: int) -> None:
-    w.add_context_length(m.n_ctx)
-    w.add_embedding_length(m.n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(m.n_ff)
-    w.add_head_count(m.n_head)
-    w.add_head_count_kv(m.n_head)
-    w.add_rope_dimension_count(m.n_embd // m.n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-
 def _draft_ids(m: Eagle3Pair, embd: np.ndarray, out: np.ndarray) -> np.ndarray | None:
     """Target ids of the draft vocabulary, ascending: the most frequent f(t) first, then the lowest ids."""
     n_vocab = embd.shape[0]
@@ -124,33 +112,13 @@ def write_eagle3_pair(
     vocab = vocab or spm_vocab()
     rng = np.random.default_rng(seed)
     n_vocab, d, f = len(vocab.tokens), m.n_embd, m.n_ff
-
-    def rand(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return rng.normal(0.0, std, size=shape).astype(np.float32)
-
+    rand = gaussian(rng)
     ones = np.ones(d, dtype=np.float32)
 
     # --- target: llama, the layers' outputs scaled by `residual`
     embd = rand((n_vocab, d), 1.0)
     out = rand((n_vocab, d), m.logit_scale)
-    w = gguf.GGUFWriter(str(target_path), "llama")
-    w.add_name("tiny-eagle3-target")
-    _add_shape(w, m, m.n_layer)
-    add_vocab(w, vocab)
-    w.add_tensor("token_embd.weight", embd)
-    s = 1.0 / np.sqrt(d)
-    for i in range(m.n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        for name in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(f"blk.{i}.{name}.weight", rand((d, d), s))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand((d, d), s * m.residual))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand((f, d), s))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand((f, d), s))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand((d, f), m.residual / np.sqrt(f)))
-    w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", out)
-    write_out(w)
+    write_llama_target(target_path, "tiny-eagle3-target", vocab, m, rand, residual=m.residual, embd=embd, out=out)
 
     # --- draft: eagle3, one layer (ggml shapes in comments: ne0 = input width)
     d2t = _draft_ids(m, embd, out)
@@ -158,7 +126,7 @@ def write_eagle3_pair(
     zero = np.zeros((d, d), dtype=np.float32)
     w = gguf.GGUFWriter(str(draft_path), EAGLE3_ARCH)
     w.add_name("tiny-eagle3-draft")
-    _add_shape(w, m, 1)
+    add_shape(w, m, n_layer=1)
     layers = m.target_layers if draft_layers is None else draft_layers
     w.add_array(f"{EAGLE3_ARCH}.target_layers", [int(i) for i in layers])  # INT32 array
     w.add_uint32(f"{EAGLE3_ARCH}.target_hidden_size", d)
@@ -181,9 +149,7 @@ def write_eagle3_pair(
     w.add_tensor("blk.0.attn_v.weight", np.concatenate([eye, zero], axis=1))
     w.add_tensor("blk.0.attn_output.weight", eye)
     w.add_tensor("blk.0.ffn_norm.weight", ones)
-    w.add_tensor("blk.0.ffn_gate.weight", rand((f, d), s))
-    w.add_tensor("blk.0.ffn_up.weight", rand((f, d), s))
-    w.add_tensor("blk.0.ffn_down.weight", rand((d, f), m.head_noise / np.sqrt(f)))
+    add_ffn(w, 0, rand, d, f, m.head_noise)
     w.add_tensor("output_norm.weight", ones)
     if d2t is None:
         w.add_tensor("output.weight", out)                                        # {d, n_vocab}

@@ -4,12 +4,18 @@ Random weights, a SentencePiece-style vocabulary (byte tokens plus a few
 words), F32 tensors: llama.cpp loads them in milliseconds, so the tests run the
 real engine on real files. A draft is the target plus Gaussian noise: the
 larger the noise, the lower the acceptance.
+
+The other factories (drafter_, eagle3_, dflash_, qwen35_factory) write their
+files from the pieces here: the tokenizer (`add_vocab`), the weights
+(`gaussian`), a llama header (`add_shape`), attention and FFN blocks, and the
+whole llama target (`write_llama_target`) beside an EAGLE-3 or DFlash draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Protocol
 
 import gguf
 import numpy as np
@@ -92,6 +98,98 @@ class TinyModel:
     logit_scale: float = 0.6  # output weight std: larger -> peakier distributions, fewer near-ties
 
 
+class Shape(Protocol):
+    """A llama-shaped model's sizes (TinyModel, eagle3_factory.Eagle3Pair, dflash_factory.DFlashPair)."""
+
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_ff(self) -> int: ...
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def logit_scale(self) -> float: ...
+
+
+Weight = Callable[[tuple[int, ...], float], np.ndarray]  # (shape, std) -> F32 weights, drawn in call order
+
+
+def gaussian(rng: np.random.Generator, noise: float = 0.0, noise_rng: np.random.Generator | None = None) -> Weight:
+    """N(0, std) weights from `rng`; with `noise` > 0 each plus N(0, noise * std) from `noise_rng` (a draft that
+    is the same model perturbed)."""
+
+    def weight(shape: tuple[int, ...], std: float) -> np.ndarray:
+        w = rng.normal(0.0, std, size=shape)
+        if noise > 0:
+            assert noise_rng is not None
+            w = w + noise_rng.normal(0.0, noise * std, size=shape)
+        return w.astype(np.float32)
+
+    return weight
+
+
+def add_shape(w: gguf.GGUFWriter, m: Shape, n_layer: int | None = None, n_embd: int | None = None,
+              n_rot: int | None = None) -> None:
+    """A llama-shaped file's hyperparameters (F32, RMS norm eps 1e-5): `m`'s, or the block count, hidden size
+    and rotary width given (the rotary width defaults to a head's)."""
+    d = n_embd or m.n_embd
+    w.add_context_length(m.n_ctx)
+    w.add_embedding_length(d)
+    w.add_block_count(m.n_layer if n_layer is None else n_layer)
+    w.add_feed_forward_length(m.n_ff)
+    w.add_head_count(m.n_head)
+    w.add_head_count_kv(m.n_head)
+    w.add_rope_dimension_count(n_rot or d // m.n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def add_attention(w: gguf.GGUFWriter, i: int, weight: Weight, d: int, out_scale: float = 1.0) -> None:
+    """Block i's plain multi-head attention: Q, K, V, and the output scaled by `out_scale`."""
+    s = 1.0 / np.sqrt(d)
+    for name in ("attn_q", "attn_k", "attn_v"):
+        w.add_tensor(f"blk.{i}.{name}.weight", weight((d, d), s))
+    w.add_tensor(f"blk.{i}.attn_output.weight", weight((d, d), s * out_scale))
+
+
+def add_ffn(w: gguf.GGUFWriter, i: int, weight: Weight, d: int, f: int, out_scale: float = 1.0) -> None:
+    """Block i's SwiGLU FFN: gate, up, and down scaled by `out_scale`."""
+    s = 1.0 / np.sqrt(d)
+    w.add_tensor(f"blk.{i}.ffn_gate.weight", weight((f, d), s))
+    w.add_tensor(f"blk.{i}.ffn_up.weight", weight((f, d), s))
+    w.add_tensor(f"blk.{i}.ffn_down.weight", weight((d, f), out_scale / np.sqrt(f)))
+
+
+def write_llama_target(path: str | Path, name: str, vocab: Vocab, m: Shape, weight: Weight, *,
+                       residual: float = 1.0, embd: np.ndarray | None = None, out: np.ndarray | None = None,
+                       architecture: str = "llama", chat_template: str | None = None) -> Path:
+    """Write a llama GGUF of shape `m`: the header, the tokenizer, the weights drawn from `weight` in file order,
+    each layer's attention and FFN outputs scaled by `residual`. The token embeddings and the output head are
+    drawn first and last (std 1 and `m.logit_scale`) unless given."""
+    d = m.n_embd
+    ones = np.ones(d, dtype=np.float32)
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name(name)
+    add_shape(w, m)
+    add_vocab(w, vocab)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.add_tensor("token_embd.weight", weight((len(vocab.tokens), d), 1.0) if embd is None else embd)
+    for i in range(m.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        add_attention(w, i, weight, d, residual)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        add_ffn(w, i, weight, d, m.n_ff, residual)
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", weight((len(vocab.tokens), d), m.logit_scale) if out is None else out)
+    write_out(w)
+    return Path(path)
+
+
 def write_llama_gguf(
     path: Path,
     vocab: Vocab | None = None,
@@ -102,43 +200,6 @@ def write_llama_gguf(
     chat_template: str | None = None,
 ) -> Path:
     """Write a loadable llama GGUF. `noise` > 0 perturbs every weight (a 'draft' of the seed's model)."""
-    vocab = vocab or spm_vocab()
-    rng = np.random.default_rng(model.seed)
-    noise_rng = np.random.default_rng(noise_seed)
-    n_vocab, d, f = len(vocab.tokens), model.n_embd, model.n_ff
-
-    def weight(shape: tuple[int, ...], std: float) -> np.ndarray:
-        w = rng.normal(0.0, std, size=shape)
-        if noise > 0:
-            w = w + noise_rng.normal(0.0, noise * std, size=shape)
-        return w.astype(np.float32)
-
-    w = gguf.GGUFWriter(str(path), architecture)
-    w.add_name("tiny-test")
-    w.add_context_length(model.n_ctx)
-    w.add_embedding_length(d)
-    w.add_block_count(model.n_layer)
-    w.add_feed_forward_length(f)
-    w.add_head_count(model.n_head)
-    w.add_head_count_kv(model.n_head)
-    w.add_rope_dimension_count(d // model.n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_vocab(w, vocab)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-
-    w.add_tensor("token_embd.weight", weight((n_vocab, d), 1.0))
-    for i in range(model.n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(f"blk.{i}.{name}.weight", weight((d, d), 1.0 / np.sqrt(d)))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", weight((f, d), 1.0 / np.sqrt(d)))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", weight((f, d), 1.0 / np.sqrt(d)))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", weight((d, f), 1.0 / np.sqrt(f)))
-    w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
-    w.add_tensor("output.weight", weight((n_vocab, d), model.logit_scale))
-
-    write_out(w)
-    return path
+    weight = gaussian(np.random.default_rng(model.seed), noise, np.random.default_rng(noise_seed))
+    return write_llama_target(path, "tiny-test", vocab or spm_vocab(), model, weight, architecture=architecture,
+                              chat_template=chat_template)

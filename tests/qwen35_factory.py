@@ -43,7 +43,7 @@ import gguf
 import numpy as np
 
 from drafter_factory import add_nextn_tensors
-from gguf_factory import Vocab, add_vocab, spm_vocab, write_out
+from gguf_factory import Vocab, add_ffn, add_vocab, gaussian, spm_vocab, write_out
 
 ARCH = "qwen35"
 
@@ -101,8 +101,7 @@ def write_qwen35_mtp_target(path: Path, model: Qwen35Model = Qwen35Model(), voca
     conv_dim = 2 * key_dim + value_dim
     n_all = model.n_layer + 1
 
-    def weight(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return rng.normal(0.0, std, size=shape).astype(np.float32)
+    weight = gaussian(rng)
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
@@ -142,11 +141,6 @@ def write_qwen35_mtp_target(path: Path, model: Qwen35Model = Qwen35Model(), voca
         w.add_tensor(f"blk.{i}.attn_k_norm.weight", ones(hd))
         w.add_tensor(f"blk.{i}.attn_output.weight", weight((d, hd * nh), out_scale / np.sqrt(hd * nh)))
 
-    def ffn(i: int, out_scale: float) -> None:
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", weight((f, d), sd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", weight((f, d), sd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", weight((d, f), out_scale / np.sqrt(f)))
-
     w.add_tensor("token_embd.weight", weight((n_vocab, d), 1.0))
     for i in range(n_all):
         trunk = i < model.n_layer
@@ -169,7 +163,7 @@ def write_qwen35_mtp_target(path: Path, model: Qwen35Model = Qwen35Model(), voca
             w.add_tensor(f"blk.{i}.ssm_out.weight", weight((d, value_dim), out_scale / np.sqrt(value_dim)))
         else:
             attention(i, out_scale)
-        ffn(i, out_scale)
+        add_ffn(w, i, weight, d, f, out_scale)
         if trunk:
             continue
         add_nextn_tensors(w, i, weight((d, d), sd * model.head_noise))
