@@ -12,12 +12,13 @@ their templates and splits the output into `reasoning_content` and
   (`detect_format` finds them from the template and how it renders); gpt-oss's
   harmony channels are a format too, with the analysis channel's header and
   `<|end|>` for tags (backends.harmony);
-- `Splitter`: a streaming splitter of released text into reasoning and
+- `Splitter` (backends.splitter): a streaming splitter of released text into reasoning and
   answer, robust to tags split across tokens or spelled as several, to a
   model that skips thinking, and to a block never closed (at the end of the
-  output, all of it is reasoning, as llama.cpp's parser has it). Like
-  llama.cpp's, it trims the reasoning and the start of the answer (`new_splitter`
-  gives harmony's its own, backends.harmony.HarmonySplitter);
+  output, all of it is reasoning, as llama.cpp's parser has it), and to Gemma
+  4's stray channel tags, as its parser reads them (common/parsers/gemma4.cpp).
+  Like llama.cpp's, it trims the reasoning and the start of the answer
+  (`new_splitter` gives harmony's its own, backends.harmony.HarmonySplitter);
 - `Thinking`: a strategy wrapper (every strategy, alone or under the
   scheduler: it is a step machine too, backends.steps.relay) that labels
   each token's text by channel and ends the thinking at a budget, as
@@ -44,9 +45,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from backends.errors import PromptError
-from backends.events import Channel, Done, Event, GenStats, Prefilled, Token
+from backends.events import Done, Event, GenStats, Prefilled, Token
 from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter, is_harmony
 from backends.sampling import GenParams
+from backends.splitter import CONTENT, Splitter
 from backends.steps import Steps, relay, run_solo
 from backends.text import rendering
 
@@ -63,8 +65,6 @@ TAGS: tuple[tuple[str, str], ...] = (
     ("<|START_THINKING|>", "<|END_THINKING|>"),
     ("<seed:think>", "</seed:think>"),
 )
-REASONING: Channel = "reasoning"
-CONTENT: Channel = "content"
 
 
 @dataclass(frozen=True)
@@ -129,110 +129,6 @@ def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningForm
             after = ""
         return ReasoningFormat(start, end, opened, can_disable, after)
     return None
-
-
-def _held(text: str, tag: str) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of `tag` (it may yet become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class Splitter:
-    """Released text in, (reasoning, answer) text out, as it streams.
-
-    Before the block (a format whose prompt does not open it), leading
-    whitespace is held until the start tag or other text shows whether the
-    model thinks. Inside, text is released as reasoning except a tail that
-    may begin the end tag, and trailing whitespace (trimmed when the block
-    ends). After it, the answer's leading whitespace is dropped.
-    """
-
-    def __init__(self, fmt: ReasoningFormat, opened: bool | None = None) -> None:
-        if fmt.channels:
-            raise ValueError("harmony's channels have their own splitter: backends.reasoning.new_splitter(fmt)")
-        self.fmt = fmt
-        self.state: str = REASONING if (fmt.opened if opened is None else opened) else "before"
-        self._buf = ""
-        self._lead = True  # at the start of a channel: its leading whitespace is dropped
-        self.reasoning = ""
-        self.content = ""
-
-    @property
-    def channel(self) -> Channel:
-        return REASONING if self.state == REASONING else CONTENT
-
-    @property
-    def thinking(self) -> bool:
-        """Inside the reasoning block."""
-        return self.state == REASONING
-
-    def push(self, text: str) -> tuple[str, str]:
-        """The reasoning and answer text that `text` releases (either may be empty)."""
-        self._buf += text
-        reasoning = content = ""
-        while True:
-            if self.state == "before":
-                head = self._buf.lstrip()
-                if head.startswith(self.fmt.start):
-                    self._buf, self.state, self._lead = head[len(self.fmt.start):], REASONING, True
-                    continue
-                if self.fmt.start.startswith(head):
-                    break  # whitespace, or the start tag's beginning: not known yet
-                self.state = CONTENT
-                continue
-            if self.state == REASONING:
-                if self._lead:
-                    self._buf = self._buf.lstrip()
-                    if not self._buf:
-                        break
-                    self._lead = False
-                i = self._buf.find(self.fmt.end)
-                if i >= 0:
-                    reasoning += self._buf[:i].rstrip()
-                    self._buf, self.state, self._lead = self._buf[i + len(self.fmt.end):], CONTENT, True
-                    continue
-                keep = _held(self._buf, self.fmt.end)
-                body = self._buf[:len(self._buf) - keep]
-                stripped = body.rstrip()
-                reasoning += stripped
-                self._buf = body[len(stripped):] + self._buf[len(self._buf) - keep:]
-                break
-            if self._lead:  # the answer
-                self._buf = self._buf.lstrip()
-                if not self._buf:
-                    break
-                self._lead = False
-            content += self._buf
-            self._buf = ""
-            break
-        self.reasoning += reasoning
-        self.content += content
-        return reasoning, content
-
-    def close(self) -> str:
-        """The block ends here (its end tag was a stop string, or was forced): the answer follows. Returns the
-        reasoning it releases (a tail held back as the end tag's possible start is reasoning after all)."""
-        out = ""
-        if self.state == REASONING and not self._lead:
-            out = self._buf.rstrip()
-            self.reasoning += out
-        if self.state != CONTENT:
-            self.state, self._buf, self._lead = CONTENT, "", True
-        return out
-
-    def flush(self) -> tuple[str, str]:
-        """At the end of the output: what was held back (a block never closed keeps its text as reasoning)."""
-        buf, self._buf = self._buf, ""
-        if self.state == REASONING:
-            out = buf.rstrip() if not self._lead else ""
-            self.reasoning += out
-            return out, ""
-        if self.state == "before":
-            buf = buf.strip()
-        self.content += buf
-        return "", buf
 
 
 def new_splitter(fmt: ReasoningFormat, opened: bool | None = None) -> Splitter | HarmonySplitter:

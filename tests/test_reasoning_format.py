@@ -23,8 +23,6 @@ lines 1167-1195).
 Not taken from test-chat.cpp, as things the splitter does not do:
 - cases with tool calls (`.tools(...)`) or a response format (`.json_schema(...)`): they parse the answer further;
 - continuation cases (`continue_final_message`): the prefilled reasoning is the request's, not the output's;
-- Gemma 4's stray-tag edge cases (lines 3155-3177: channel tags repeated after the answer or doubled before
-  the block, which its dedicated parser drops);
 - formats with tags specchat does not split: Kimi-K3's <|close|>think<|sep|>, MiniMax-M3's <mm:think>,
   Apriel's [BEGIN FINAL RESPONSE]. gpt-oss's harmony channels have their own file, tests/test_harmony.py.
 Kept with a difference: Command R7B and Cohere2 MoE wrap the answer in <|START_RESPONSE|>/<|START_TEXT|>
@@ -33,6 +31,12 @@ test-chat.cpp's content inside its markers. The content-only cases marked "(none
 none there: an output with no tag splits the same under auto. test-chat.cpp has no unclosed-block case for a
 tag format; the unclosed cases cite Kimi-K3's (line 4889, whose input has no tag at all) and chat.cpp's
 lenient parse (line 1465: an until() at the end of the input matches it).
+
+Gemma 4's stray-tag edge cases (lines 3155-3177: a block opened again after the answer, a stray <channel|>
+after it, a <|channel> doubled before the block) are here, whole, streamed and at every prefix as test-chat.cpp's
+harness parses them; so are the rules of its parser behind them and a tail cut inside a tag at the end
+(PARSER_CASES), with the results of llama.cpp's own parse (common_chat_parse, built by
+../shared/tools/build-llama-cpp-reference.sh) where test-chat.cpp has no case.
 
 reasoning_format none (test-chat.cpp's `COMMON_REASONING_FORMAT_NONE` cases for these formats, lines 2156,
 2704, 3011; 4716 has tools): nothing split, the content is the output as written after what the generation
@@ -72,14 +76,16 @@ ANSWER = "Hello, world!\nWhat's up?"  # message_assist's content
 
 @dataclass(frozen=True)
 class Case:
-    line: int  # in test-chat.cpp
+    line: int  # in `source`
     fmt: ReasoningFormat
     text: str
     reasoning: str
     content: str
+    source: str = "test-chat.cpp"
 
     def __str__(self) -> str:
-        return f"L{self.line}-{self.fmt.start}{'-open' if self.fmt.opened else ''}"
+        where = "" if self.source == "test-chat.cpp" else f"{self.source}-"
+        return f"{where}L{self.line}-{self.fmt.start}{'-open' if self.fmt.opened else ''}"
 
 
 CASES = [
@@ -131,6 +137,12 @@ CASES = [
     Case(2994, GEMMA4, "Hello, world!", "", "Hello, world!"),  # (none)
     Case(2997, GEMMA4, "<|channel>thought\nI'm\nthinking<channel|>Hello, world!\nWhat's up?", THOUGHTS, ANSWER),
     Case(3004, GEMMA4, "<|channel>thought<channel|>Hello, world!\nWhat's up?", "", ANSWER),  # empty reasoning
+    # Gemma 4's stray tags: a block opened again after the answer, a stray end tag, a doubled channel marker
+    Case(3155, GEMMA4, "<|channel>thought\n<channel|>Hello, world!\nWhat's up?<channel|>", "", ANSWER),
+    Case(3161, GEMMA4, "<|channel>thought\n<channel|>Hello, world!\nWhat's up?<|channel>thought\n<channel|>", "", ANSWER),
+    Case(3167, GEMMA4, "<|channel>thought\n<channel|>Hello, world!\nWhat's up?<|channel>thought\n<channel|><channel|>",
+         "", ANSWER),
+    Case(3173, GEMMA4, "<|channel><|channel>thought\n<channel|>Hello, world!\nWhat's up?", "", ANSWER),
     # Unclosed at the end: all reasoning (Kimi-K3's case, 4889; then chat.cpp:1465's lenient parse with a tag)
     Case(4889, THINK_OPEN, "I was still thinking when the budget ran out",
          "I was still thinking when the budget ran out", ""),
@@ -138,6 +150,27 @@ CASES = [
     Case(4889, MISTRAL, "[THINK]I'm\nthinking\n", THOUGHTS, ""),
     Case(4889, GEMMA4, "<|channel>thought\nI'm\nthinking", THOUGHTS, ""),
 ]
+
+# The rules behind Gemma 4's stray-tag cases, and an output cut inside a tag, with the results of llama.cpp's own
+# parse (common_chat_parse of the reference build's libllama-common, the template from models/templates, stripped
+# as above). Gemma 4's parser (common/parsers/gemma4.cpp:285-290) reads messages, each an optional block, then an
+# answer up to the next <|channel> or <channel|>: another block adds to the reasoning and the answers join as
+# written; a stray <channel|>, or a <|channel> that opens no block, ends the parse, the rest dropped. The tag
+# formats' parsers keep a stray end tag in the answer. At the end of the output, a tail that may begin a tag is
+# dropped (peg-parser.cpp:718: an until() stops before a delimiter's partial match).
+PARSER_CASES = [
+    Case(288, GEMMA4, "Hello<channel|>World", "", "Hello", "gemma4.cpp"),
+    Case(288, GEMMA4, "Hello<|channel>foo bar", "", "Hello", "gemma4.cpp"),
+    Case(288, GEMMA4, "A<|channel>thought\nmid<channel|> B", "mid", "A B", "gemma4.cpp"),
+    Case(288, GEMMA4, "<|channel>thought\nA<channel|><|channel>thought\nB<channel|>  C", "AB", "C", "gemma4.cpp"),
+    Case(718, GEMMA4, "Hello<|chan", "", "Hello", "peg-parser.cpp"),
+    Case(718, GEMMA4, "<|channel>thought\nabc<chan", "abc", "", "peg-parser.cpp"),
+    Case(718, THINK, "<think>abc</thi", "abc", "", "peg-parser.cpp"),  # Qwen3
+    Case(718, THINK_OPEN, "abc</thi", "abc", "", "peg-parser.cpp"),  # QwQ
+    Case(168, THINK, "<think>abc</think>Hello</think>World", "abc", "Hello</think>World",  # the answer: p.rest()
+         "chat-auto-parser-generator.cpp"),
+]
+CASES += PARSER_CASES
 
 
 def _streamed(fmt: ReasoningFormat, pieces: list[str]) -> tuple[str, str]:
@@ -189,6 +222,24 @@ def test_opened_argument_overrides_the_format(case: Case) -> None:
     s.push(body[len(case.fmt.start):])
     s.flush()
     assert (s.reasoning, s.content) == (case.reasoning, case.content)
+
+
+STRAY_TAGS = [c for c in CASES if c.fmt == GEMMA4 and 3155 <= c.line <= 3177]
+
+
+@pytest.mark.parametrize("case", STRAY_TAGS, ids=str)
+def test_every_prefix_releases_what_llama_cpps_partial_parse_does(case: Case) -> None:
+    """test-chat.cpp's harness parses every prefix of its input as partial (lines 1173-1195). On Gemma 4's
+    stray-tag cases llama.cpp's partial parses (common_chat_parse of the reference build, is_partial) give the
+    answer as far as the prefix has come and nothing of a tag, before, between or after: the splitter, fed the
+    same prefixes, has released the same."""
+    s = new_splitter(case.fmt)
+    at = case.text.index(case.content)
+    released = ["", ""]
+    for n, char in enumerate(case.text, 1):
+        for i, piece in enumerate(s.push(char)):
+            released[i] += piece
+        assert released == ["", case.content[:max(0, min(n - at, len(case.content)))]], case.text[:n]
 
 
 # --- reasoning_format none ---
