@@ -231,7 +231,7 @@ class TreeSpeculation(StepMachine):
 
         def tree_step() -> Iterator[object]:
             tree, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
-            v = yield from verify_tree(run, target, tree, "draft", "tree")
+            v = yield from verify_tree(run, target, tree, self.draft.label, "tree")
             totals["batch_tokens"] += v.nodes + 1
             totals["tree_nodes"] += v.nodes
             totals["drafted_nodes"] += drafted
