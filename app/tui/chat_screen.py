@@ -200,6 +200,9 @@ class ChatScreen(Screen):
         mode = "plain completion (no chat template)" if self.session.plain else "chat template"
         self._note(f"loaded {names} · {mode}")
         self.stats.show(state="ready")
+        if self.settings.strategy in NEEDS_DRAFT and engine.draft is None:  # nothing drafts for it: lookup does
+            self._change_settings(replace(self.settings, strategy="lookup"))
+            self.notify(f"{names} has no drafter: strategy lookup")
         if self._resume is not None:
             wanted, self._resume = self._resume, None
             if wanted == "last":
@@ -394,10 +397,9 @@ class ChatScreen(Screen):
         self.app.push_screen(ModelsScreen(), self._models_chosen)
 
     def _models_chosen(self, pair: tuple[str, str | None] | None) -> None:
-        if pair is not None:
+        if pair is not None:  # a pair without a draft file may still draft (the target's MTP head): see on_model_loaded
             target, draft = pair
-            strategy = self.settings.strategy if draft or self.settings.strategy not in NEEDS_DRAFT else "lookup"
-            self._change_settings(replace(self.settings, target=target, draft=draft, strategy=strategy))
+            self._change_settings(replace(self.settings, target=target, draft=draft))
 
     def action_new_chat(self) -> None:
         if self.generating:

@@ -152,6 +152,8 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         heads = mtp_heads(target.info)
         drafts.add_option(Option("(no draft file: its own MTP head drafts)" if heads else
                                  "(no draft: ar, lookahead and lookup only)", id=NO_DRAFT))
+        own: list[int] = []  # the rows of compatible drafts made for a target's layers (EAGLE-3, DFlash)
+        others: list[int] = []  # of the other compatible models
         for i, m in enumerate(self.local):
             if m is target or m.info is None:
                 continue
@@ -159,12 +161,13 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
             label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}" \
                 + {"eagle3": " · EAGLE-3", "dflash": " · DFlash"}.get(m.info.architecture, "")
             if verdict.ok:
+                (own if m.info.architecture in ("eagle3", "dflash") else others).append(drafts.option_count)
                 drafts.add_option(Option(label, id=str(i)))
             else:
                 drafts.add_option(Option(f"{label} — {verdict.problems[0]}", id=str(i), disabled=True))
-        # The likely choice first: the first compatible draft, else chatting without one.
-        enabled = [i for i in range(drafts.option_count) if not drafts.get_option_at_index(i).disabled]
-        drafts.highlighted = enabled[1] if len(enabled) > 1 else 0
+        # The likely choice first: the target's own drafter (a draft made for it, else its MTP head), else the
+        # first compatible draft model, else chatting without one.
+        drafts.highlighted = (own or ([0] if heads else others) or [0])[0]
         if focus:
             drafts.focus()
 
