@@ -233,3 +233,33 @@ def use_extra_buffer_types() -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return not (_cpu_has_amx() and _build_has_amx())
+
+
+# libgomp's omp_pause_resource_all(omp_pause_soft): the calling thread's OpenMP workers end (OpenMP 5.0, GCC 9+).
+_OMP_PAUSE_SOFT = 1
+
+
+def _openmp() -> ctypes.CDLL | None:
+    """libgomp, when llama.cpp's CPU backend was built with it (GCC's OpenMP, llama.cpp's default on Linux)
+    and so is loaded already; None on other builds (Apple's clang, a build without OpenMP)."""
+    try:
+        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD) if hasattr(os, "RTLD_NOLOAD") else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "omp_pause_resource_all") else None
+
+
+def release_compute_threads() -> None:
+    """The calling thread is done decoding (another thread decodes from now on): its OpenMP workers end.
+
+    ggml's CPU backend runs each graph as an OpenMP parallel region of the thread that called llama_decode,
+    and libgomp keeps a team of worker threads for every thread that ever ran one. Once libgomp manages more
+    threads than the process has CPUs, it throttles: its barriers, about ten per layer and token, then spin
+    100 times and sleep instead of spinning about 3 ms (libgomp's env.c, `gomp_throttled_spin_count_var`).
+    A server that warms its contexts up on the main thread and decodes on its engine thread has two teams:
+    on 2 CPUs at -t 2, the decoding threads then slept and woke about 330 times a token (SmolLM2 135M), and
+    `serve -s ar` ran at 0.88-0.96x llama-server's speed; with the main thread's team released, at
+    0.99-1.08x (docs/results.md). A later decode on this thread starts a new team."""
+    lib = _openmp()
+    if lib is not None:
+        lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)

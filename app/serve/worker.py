@@ -25,6 +25,7 @@ from backends.config import PROMPT_CACHE_MIB
 from backends.engine import Engine
 from backends.events import Done, Prefilled, Token
 from backends.harmony import PRESERVED
+from backends.llama_process import release_compute_threads
 from backends.reasoning import opening
 from backends.sampling import GenParams
 from backends.slot_pool import SlotPool
@@ -158,6 +159,8 @@ class EngineWorker:
         self._closed = False  # the thread has ended: no more calls
 
     def start(self) -> None:
+        # From here on only the engine's thread decodes: the warm-up and the cost measurement ran on this one.
+        release_compute_threads()
         self._thread.start()
 
     def submit(self, job: Job) -> None:
