@@ -34,7 +34,10 @@ tag is decoded). So strategies need know nothing of it: each phase is an
 ordinary generation, token for token what one generation would give at
 temperature 0, and a grammar (structured output, tools) constrains the
 answer phase only, never the thinking, as llama.cpp's lazy grammars start at
-the end tag. The speculation memory and prompt lookup see the thinking text
+the end tag; where the grammar needs an answer (a JSON schema, a required tool
+call), the turn cannot end inside the thinking (its end-of-generation tokens
+are masked there), as llama.cpp's eager grammar for these spans the thinking
+and the answer. The speculation memory and prompt lookup see the thinking text
 (it quotes the question and repeats itself) like any other.
 """
 
@@ -217,6 +220,16 @@ class Thinking:
         text = b"".join(piece(t) for t in done.tokens).decode("utf-8", errors="replace")
         return text[len(done.text):].startswith(tag)
 
+    def _answer_required(self, params: GenParams) -> bool:
+        """Whether the answer's grammar needs an answer (it does not take an empty one: a JSON schema, a required
+        tool call). Then the turn may not end inside the thinking: llama.cpp's grammar for these is eager
+        (chat-auto-parser-generator.cpp:79, test-chat.cpp:1220) and spans the thinking (`root ::= ... ("<think>"
+        until "</think>")? ... response-format`), so no end-of-generation token gets in before the answer."""
+        if params.grammar is None:
+            return False
+        allowed = params.grammar.start().allowed()
+        return not any(allowed[t] for t in self.model.eog_ids if t < len(allowed))
+
     @staticmethod
     def _unwritten(text: str, prompt: list[int], piece: Callable[[int], bytes]) -> str:
         """`text` less its beginning that the prompt ends with (gpt-oss's prompt ends in `<|start|>assistant`)."""
@@ -280,7 +293,8 @@ class Thinking:
             cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
         first: Done | None = None
         if cap > 0:
-            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True)
+            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True,
+                               ignore_eos=params.ignore_eos or self._answer_required(params))
             yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
             first = ends[-1]
             carried(splitter.push(first.tail))

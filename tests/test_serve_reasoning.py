@@ -177,6 +177,57 @@ def test_tool_calls_and_json_are_read_from_the_answer(qwq: Served) -> None:
     assert _reasoning(answer.choices[0].message) and set(json.loads(answer.choices[0].message.content)) == {"name"}
 
 
+def _answer(served: Served, stream: bool, **kw: object) -> tuple[str, str, list[tuple[str, str]], str]:
+    """An answer's reasoning, content, tool calls (name, arguments) and finish reason: whole, or reassembled
+    from the stream's deltas."""
+    client = served.client()
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls or []]
+        return _reasoning(choice.message) or "", choice.message.content or "", calls, choice.finish_reason
+    reasoning, content, finish, calls = "", "", "", {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            reasoning += _reasoning(choice.delta) or ""
+            content += choice.delta.content or ""
+            for t in choice.delta.tool_calls or []:
+                name, arguments = calls.get(t.index, ("", ""))
+                calls[t.index] = (name + (t.function.name or ""), arguments + (t.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return reasoning, content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("strategy", ["ar", "sps"])
+def test_a_grammar_holds_only_the_answer_after_the_opened_block(qwq: Served, strategy: str) -> None:
+    """QwQ's prompt opens the block: the thinking is free text, and a JSON schema or a required tool call holds
+    what follows `</think>` only, whole and streamed alike. On these questions SmolLM2 ends its turn inside the
+    block (after 7 and 6 tokens), as it does with tool_choice "auto" (no grammar: llama.cpp's is lazy there); a
+    grammar that needs an answer does not let it (llama.cpp's is eager and spans the thinking), so it thinks on
+    to the budget (12), its free thinking continued, and the answer follows, valid."""
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+            "additionalProperties": False}
+    common = {"model": "smollm2-qwq", "temperature": 0, "max_tokens": 64,
+              "extra_body": {"reasoning_budget_tokens": 12, **spec(strategy)}}
+    capital = {**common, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    weather = {**common, "messages": [{"role": "user", "content": "The weather in Paris?"}], "tools": [WEATHER]}
+    for free, constrained in (({}, {"response_format": {"type": "json_schema", "json_schema": {"name": "city",
+                                                                                               "schema": city}}}),
+                              ({"tool_choice": "auto"}, {"tool_choice": "required"})):
+        question = weather if "tool_choice" in free else capital
+        thought, content, calls, finish = _answer(qwq, False, **question, **free)
+        assert thought and (content, calls, finish) == ("", [], "stop"), "the turn ends inside the block"
+        for stream in (False, True):
+            reasoning, content, calls, finish = _answer(qwq, stream, **question, **constrained)
+            assert reasoning.startswith(thought) and len(reasoning) > len(thought), (stream, reasoning)
+            assert _n_tokens(qwq, reasoning) <= 12 and "</think>" not in reasoning + content
+            if calls:
+                assert finish == "tool_calls" and not content and [name for name, _ in calls] == ["get_weather"]
+                assert set(json.loads(calls[0][1])) == {"city"}
+            else:
+                assert "tool_choice" not in constrained and finish == "stop", (stream, content, finish)
+                assert set(json.loads(content)) == {"city"}
+
+
 def test_reasoning_sent_back_is_accepted_and_completions_stay_raw(qwq: Served) -> None:
     history = [*USER, {"role": "assistant", "content": "51.", "reasoning_content": "17 times 3 is 51."},
                {"role": "user", "content": "And 17 times 4?"}]
