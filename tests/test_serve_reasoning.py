@@ -110,8 +110,6 @@ def test_a_budget_ends_the_thinking_and_the_answer_follows(qwq: Served, field: s
     assert unbounded.choices[0].message.model_extra["reasoning_content"].startswith(reasoning[:20])
     message = _chat(qwq, "smollm2-qwq", **{field: 8}, reasoning_budget_message="Time to answer.")
     assert _reasoning(message.choices[0].message).endswith("Time to answer.") and message.choices[0].message.content
-    none = _chat(qwq, "smollm2-qwq", **{field: 0})
-    assert _reasoning(none.choices[0].message) is None and none.choices[0].message.content
 
 
 def test_thinking_off_is_a_400_where_the_template_cannot_turn_it_off(qwq: Served) -> None:
@@ -228,6 +226,21 @@ def test_a_grammar_holds_only_the_answer_after_the_opened_block(qwq: Served, str
                 assert set(json.loads(content)) == {"city"}
 
 
+def test_a_budget_of_0_closes_the_opened_block_at_once(qwq: Served) -> None:
+    """llama-server takes `reasoning_budget_tokens: 0` on a template whose prompt opens the block: "0 for
+    immediate end" (common/arg.cpp), its budget sampler forcing the end tag from the prompt's start tag on
+    (common/reasoning-budget.cpp:85). It is an empty thinking, not thinking off (which QwQ's template cannot do,
+    a 400): the end tag first, then the answer; no reasoning_content, whole and streamed."""
+    whole = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=0)
+    message = whole.choices[0].message
+    assert _reasoning(message) is None and message.content
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+    raw = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=0, reasoning_format="none").choices[0].message.content
+    assert raw.startswith("<think>\n</think>") and raw.removeprefix("<think>\n</think>").strip() == message.content
+    reasoning, content, _, _ = _streamed(qwq, "smollm2-qwq", reasoning_budget_tokens=0)
+    assert (reasoning, content) == ("", message.content)
+
+
 def test_reasoning_sent_back_is_accepted_and_completions_stay_raw(qwq: Served) -> None:
     history = [*USER, {"role": "assistant", "content": "51.", "reasoning_content": "17 times 3 is 51."},
                {"role": "user", "content": "And 17 times 4?"}]
@@ -278,6 +291,21 @@ def test_enable_thinking_false_gives_no_reasoning(qwen3: Served) -> None:
         assert off.usage.prompt_tokens > on.usage.prompt_tokens
     props = httpx.get(f"{qwen3.url}/props", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert props["reasoning"] == {"start": "<think>", "end": "</think>", "opened": False, "can_disable": True}
+
+
+def test_a_budget_of_0_is_llama_servers_not_thinking_off(qwen3: Served) -> None:
+    """On a template that can turn thinking off, llama-server's budget 0 does not: only `enable_thinking` and
+    `reasoning_effort` do (tools/server/server-common.cpp:1362-1380); the prompt is thinking on's and a block
+    the model opens is ended at once (common/reasoning-budget.cpp:85). SmolLM2 opens none on this question, so
+    the answer is the one without a budget, token for token (as llama-server gives it on the same file), and
+    not thinking off's, whose prompt closes an empty block."""
+    on = _chat(qwen3, "smollm2-qwen3")
+    zero = _chat(qwen3, "smollm2-qwen3", reasoning_budget_tokens=0)
+    off = _chat(qwen3, "smollm2-qwen3", chat_template_kwargs={"enable_thinking": False})
+    assert (zero.usage.prompt_tokens, zero.choices[0].message.content) == \
+        (on.usage.prompt_tokens, on.choices[0].message.content)
+    assert _reasoning(zero.choices[0].message) is None and zero.usage.completion_tokens_details.reasoning_tokens == 0
+    assert off.usage.prompt_tokens > zero.usage.prompt_tokens and off.choices[0].message.content != on.choices[0].message.content
 
 
 def test_a_reasoning_sent_back_reaches_the_template(qwen3: Served) -> None:

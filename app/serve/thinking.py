@@ -11,9 +11,13 @@
 - `reasoning_effort`: "none" turns thinking off; any other value goes to the
   template as its `reasoning_effort` variable (gpt-oss reads it).
 - `reasoning_budget_tokens` (or `thinking_budget_tokens`): the thinking ends
-  after this many tokens (0: at once), the end tag forced after
-  `reasoning_budget_message` if given; -1, as llama-server reads it, is the
-  server's default (`serve --reasoning-budget N`, else no bound).
+  after this many tokens, the end tag forced after `reasoning_budget_message`
+  if given; -1, as llama-server reads it, is the server's default (`serve
+  --reasoning-budget N`, else no bound). 0 is llama-server's "immediate end"
+  (common/arg.cpp, common/reasoning-budget.cpp:85), on every template: the
+  block is closed as soon as it is open (QwQ's, which its prompt opens: an
+  empty thinking), and thinking is not turned off (Qwen3's prompt stays
+  thinking on's: only enable_thinking and reasoning_effort turn it off).
 
 Thinking off on a template that cannot turn it off is a 400 naming the field
 that asked (`template_kwargs`); `serve --no-think` on such a model is refused
