@@ -19,30 +19,33 @@ from backends.sampling import GenParams, probabilities
 ALPHA = 1e-4
 
 
-def target_law(engine: Engine, prompt: list[int], params: GenParams) -> dict[tuple[int, ...], float]:
-    """Exact probability of each first-two-token outcome; an end-of-generation token ends the outcome."""
+def target_law(engine: Engine, prompt: list[int], params: GenParams, n: int = 2) -> dict[tuple[int, ...], float]:
+    """Exact probability of each outcome of the first `n` tokens; an end-of-generation token ends the outcome."""
     seq = engine.target
 
-    def dist(prefix: list[int]) -> np.ndarray:
-        seq.sync(prompt + prefix)
+    def dist(prefix: tuple[int, ...]) -> np.ndarray:
+        seq.sync(prompt + list(prefix))
         return probabilities(seq.logits().copy(), params)
 
     law: dict[tuple[int, ...], float] = {}
-    p1 = dist([])
-    for t1 in np.flatnonzero(p1):
-        if engine.target_model.is_eog(int(t1)):
-            law[(int(t1),)] = p1[t1]
-            continue
-        p2 = dist([int(t1)])
-        for t2 in np.flatnonzero(p2):
-            law[(int(t1), int(t2))] = p1[t1] * p2[t2]
+
+    def extend(prefix: tuple[int, ...], p: float) -> None:
+        probs = dist(prefix)
+        for t in np.flatnonzero(probs):
+            out, q = prefix + (int(t),), p * probs[t]
+            if len(out) == n or engine.target_model.is_eog(int(t)):
+                law[out] = q
+            else:
+                extend(out, q)
+
+    extend((), 1.0)
     return law
 
 
-def outcome(engine: Engine, done: Done) -> tuple[int, ...]:
-    """The first two output tokens, with the end-of-generation token when generation ended before two."""
-    out = done.tokens[:2]
-    if len(out) < 2 and done.reason == "eos":
+def outcome(engine: Engine, done: Done, n: int = 2) -> tuple[int, ...]:
+    """The first `n` output tokens, with the end-of-generation token when generation ended before `n`."""
+    out = done.tokens[:n]
+    if len(out) < n and done.reason == "eos":
         return out + (engine.target_model.eos,)
     return out
 

@@ -28,6 +28,9 @@ from engine_helpers import remember_continuations, run_to_done
 from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
 
+# Outcomes of the law tests: three tokens, since auto's first token comes from a plain step (FIRST_TOKEN).
+OUTCOME = 3
+
 
 # -- what auto learnt, kept between sessions --------------------------------------------------------------------------
 
@@ -339,15 +342,17 @@ def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
 def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict[str, int]) -> None:
     """Mixed steps (draft chains with rejection sampling, lookup one-hot, plain) at temperature 1.
 
-    The outcome is the first two tokens, too few for a lookahead step (it needs room for its n-grams);
-    auto's lookahead steps are LookaheadWindow.step, whose law tests/test_lossless.py checks.
+    The outcome is the first three tokens: the first comes from a plain step (the first token as soon as
+    plain decoding gives it), the next two from steps that speculate; too few for a lookahead step (it needs
+    room for its n-grams); auto's lookahead steps are LookaheadWindow.step, whose law tests/test_lossless.py
+    checks.
     """
     small = replace(tiny, target=tiny.small_target)
     engine = _engine(small, tiny.small_draft, DeviceCost(flat(), 0.0), n_seq=32)
     try:
-        params = PARAMS["plain"]
+        params = replace(PARAMS["plain"], max_tokens=OUTCOME)
         prompt = _copying_prompt(engine)
-        law = target_law(engine, prompt, params)
+        law = target_law(engine, prompt, params, OUTCOME)
         options = StrategyOptions(auto=AutoConfig(explore_budget=0.2, **proposers),
                                   lookup=LookupConfig(draft_max=3, ngram_max=2),
                                   lookahead=LookaheadConfig(4, 3, 4, seed_pool_from_prompt=True))
@@ -356,7 +361,7 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict
         for seed in range(3000):
             engine.auto_states["sampled"].backoff.clear()  # tries on the steady schedule: the draft's steps stay mixed in
             done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
-            key = outcome(engine, done)
+            key = outcome(engine, done, OUTCOME)
             counts[key] = counts.get(key, 0) + 1
             choices.update(done.stats.steps_by_choice)
         assert all(choices[c] > least for c, least in mixed.items()), f"the test must mix steps: {choices}"
@@ -395,8 +400,8 @@ def test_run_needs_no_draft_by_default(tiny) -> None:
 
 def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) -> None:
     """A memory holding many continuations of the prompt, and rows that cost nothing: auto verifies trees of
-    them (several paths per step) at temperature 1, and the law of the first two tokens is the target's
-    (chi-square, alpha ALPHA)."""
+    them (several paths per step) at temperature 1, and the law of the first three tokens is the target's
+    (chi-square, alpha ALPHA; the first token comes from a plain step)."""
     engine = Engine(EngineConfig(target=tiny.small_target, n_ctx=256, threads=1, n_seq_max=32, cost_cache=Path(""),
                                  memory_dir=tmp_path / "memory"))
     engine._cost = DeviceCost(flat(), 0.0)
@@ -407,14 +412,15 @@ def test_auto_keeps_the_target_law_on_the_memorys_trees(tiny, tmp_path: Path) ->
         memory = engine.memory()
         assert memory is not None
         memory.frozen = True  # the generations do not add to it: the same trees all along
-        params = PARAMS["plain"]
-        law = target_law(engine, prompt, params)
+        params = replace(PARAMS["plain"], max_tokens=OUTCOME)
+        law = target_law(engine, prompt, params, OUTCOME)
         options = StrategyOptions(auto=AutoConfig(draft=False, lookahead=False))
         counts: dict[tuple[int, ...], int] = {}
         trees = 0
         for seed in range(3000):
             done = run_to_done(engine, "auto", prompt, replace(params, seed=seed), options)
-            counts[outcome(engine, done)] = counts.get(outcome(engine, done), 0) + 1
+            key = outcome(engine, done, OUTCOME)
+            counts[key] = counts.get(key, 0) + 1
             trees += int(done.stats.extra.get("memory_tree_steps", 0))
         assert trees > 1500, f"the memory's trees were verified ({trees} tree steps)"
         assert_target_law(counts, law, alpha=ALPHA)

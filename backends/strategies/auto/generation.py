@@ -56,6 +56,9 @@ MEMORY_NODES_PER_TOKEN = 2
 # than its F32 target), would otherwise stall the answer after its first tokens for tries it may never repay.
 EAGER_SHARE = 0.05
 ANSWER_HORIZON = 256
+# The first step verifies nothing with the prompt's last token: a chain's rows would delay the first token (its
+# time to first token was 1.25x ar's in process when the first step verified a lookup chain; docs/results.md).
+FIRST_TOKEN = "plain — the first token as soon as plain decoding gives it"
 SOURCES = {DRAFT: "draft", LOOKUP: "lookup", MEMORY: "memory", PLAIN: "target"}  # Token.source per option
 
 
@@ -134,11 +137,14 @@ class Generation:
         t0 = time.perf_counter()
         lookup, match = ([], 0)
         first = not run.output
-        if self.index is not None:
-            lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
-                                                          MATCH_EXTEND)
-            lookup = run.valid_prefix(lookup)
-        choice = self.decide(lookup, match, self._candidates(lookup, match))
+        if first:  # the prompt's last token alone: a chain verified with it would delay the first token
+            choice = Choice(PLAIN, why=FIRST_TOKEN)
+        else:
+            if self.index is not None:
+                lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
+                                                              MATCH_EXTEND)
+                lookup = run.valid_prefix(lookup)
+            choice = self.decide(lookup, match, self._candidates(lookup, match))
         self.decide_seconds += time.perf_counter() - t0
         self._count(choice)
         before = len(run.output)
