@@ -79,13 +79,36 @@ class PromptFormat:
     def reasoning_for(self, messages: Sequence[ChatMessage], system_prompt: str = "",
                       tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None
                       ) -> ReasoningFormat | None:
-        """The thinking format for this conversation's answer: whether its rendered prompt leaves the block open
-        (a template that opens it, or a turn continued inside it). None for a model that does not think."""
+        """The thinking format for this conversation's answer: whether its generation prompt leaves the block open
+        (a template that opens it, as QwQ's does). Only the generation prompt says so, as llama.cpp reads it: a
+        message that writes a tag ("What does `<think>` do?") opens nothing. None for a model that does not think."""
         fmt = self.reasoning
         if fmt is None:
             return None
-        text = self.render(messages, system_prompt, tools, kwargs)
+        text = self.generation_prompt(messages, system_prompt, tools, kwargs)
         return replace(fmt, opened=text.rfind(fmt.start) > text.rfind(fmt.end))
+
+    def generation_prompt(self, messages: Sequence[ChatMessage], system_prompt: str = "",
+                          tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> str:
+        """What the assistant's opened turn adds to the conversation's text: its rendering with the turn less its
+        rendering without it (add_generation_prompt false), from where they differ, as llama.cpp computes it
+        (common/chat.cpp, common_chat_template_generation_prompt). "" without a template."""
+        if self.plain:
+            return ""
+        with_turn = self.render(messages, system_prompt, tools, kwargs)
+        # The template with its variable set false at its top (the newline after the tag is trim_blocks', so the
+        # template's own text is untouched): render_chat always opens the turn.
+        try:
+            without = self._render(f"{{% set add_generation_prompt = false %}}\n{self.template}", messages,
+                                   system_prompt, tools, kwargs)
+        except ChatTemplateError:  # a template that will not end on a user's turn: its whole text, as before
+            return with_turn
+        if with_turn.startswith(without):  # the usual case: the turn is appended
+            return with_turn[len(without):]
+        n = 0
+        while n < min(len(with_turn), len(without)) and with_turn[n] == without[n]:
+            n += 1
+        return with_turn[n:]
 
     def render(self, messages: Sequence[ChatMessage], system_prompt: str = "",
                tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> str:
@@ -97,12 +120,16 @@ class PromptFormat:
                     text += "\n"
                 text += m.content
             return text
+        return self._render(self.template or "", messages, system_prompt, tools, kwargs)
+
+    def _render(self, template: str, messages: Sequence[ChatMessage], system_prompt: str,
+                tools: Sequence[dict] | None, kwargs: Mapping[str, object] | None) -> str:
         system = [ChatMessage("system", system_prompt)] if system_prompt else []
         info, model = self.engine.target_info, self.engine.target_model
         bos = model.token_text(info.bos_id) if info.bos_id is not None else ""
         eos = model.token_text(info.eos_id) if info.eos_id is not None else ""
         try:
-            return render_chat(self.template or "", [*system, *messages], bos_token=bos, eos_token=eos, tools=tools,
+            return render_chat(template, [*system, *messages], bos_token=bos, eos_token=eos, tools=tools,
                                kwargs=dict(kwargs or {}))
         except ChatTemplateError as e:  # which model's template: the file it came from
             raise ChatTemplateError(f"{self.engine.config.target.name}: {e}") from None

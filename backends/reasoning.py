@@ -146,7 +146,9 @@ def opening(fmt: ReasoningFormat, prompt: str) -> str:
     the block to the model. llama.cpp parses the generation prompt and the output as one text, the prompt's
     head before the start tag consumed (common/chat.cpp:1459, chat-peg-parser.cpp:869's prefix(),
     chat-auto-parser-generator.cpp:134; its gemma4 and gpt-oss parsers likewise): under reasoning_format none,
-    where nothing is taken out as reasoning, its content starts with this (test-chat.cpp:2159, 2707)."""
+    where nothing is taken out as reasoning, its content starts with this (test-chat.cpp:2159, 2707). `prompt` is
+    the generation prompt (app.prompt_format.PromptFormat.generation_prompt), as llama.cpp's: in the whole
+    conversation, a message that writes a tag ("What does `<think>` do?") would look like an opened block."""
     i = prompt.rfind(fmt.start)
     if i < 0:
         return ""

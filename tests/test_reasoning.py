@@ -198,3 +198,41 @@ def test_text_held_back_for_a_stop_string_reaches_the_stream(qwq, stop) -> None:
         shown = [e for e in events if isinstance(e, Token) and e.kind != REJECTED]
         assert "".join(e.text for e in shown) + done.tail == done.text
         assert done.reasoning.startswith("".join(e.reasoning for e in shown))
+
+
+# A message that writes the tags, the start tag last: read over the whole prompt, it would look like an open block.
+TAGGED = "Does `</think>` close what the `<think>` tag opens?"
+
+
+def test_a_tag_a_message_writes_opens_no_block(qwq, thinking_models) -> None:
+    """Only the generation prompt (the rendering with the assistant's turn less the one without) says whether the
+    block is open, as llama.cpp reads it (common/chat.cpp, common_chat_template_generation_prompt): on Qwen3's
+    template a user's or system message that writes `<think>` opens nothing, and the answer is content; QwQ's
+    generation prompt still opens it."""
+    messages = [ChatMessage("user", TAGGED)]
+    engine = Engine(EngineConfig(target=thinking_models.qwen3, n_ctx=1024, threads=os.cpu_count()))
+    try:
+        qwen3 = PromptFormat(engine)
+        kwargs = qwen3.thinking_kwargs(True)
+        for system in ("", "Explain tags such as <think>."):
+            fmt = qwen3.reasoning_for(messages, system, kwargs=kwargs)
+            assert fmt is not None and fmt.opened is False, system
+        assert qwen3.generation_prompt(messages, kwargs=kwargs) == "<|im_start|>assistant\n"
+        off = qwen3.generation_prompt(messages, kwargs=qwen3.thinking_kwargs(False))
+        assert off == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        _, done = _run(engine, "ar", GenParams(max_tokens=32, reasoning=fmt), qwen3.tokens(messages, kwargs=kwargs))
+        assert done.reasoning == "" and done.text, done
+    finally:
+        engine.close()
+    fmt = PromptFormat(qwq)
+    assert fmt.reasoning_for(messages, "Explain tags such as </think>.", kwargs={}).opened is True
+    assert fmt.generation_prompt(messages, kwargs={}) == "<|im_start|>assistant\n<think>\n"
+
+
+def test_run_reads_a_tag_in_the_question_as_text(thinking_models) -> None:
+    """`specchat run` on Qwen3's template: the question's `<think>` opens no block; the answer is content."""
+    out = _cli("-m", str(thinking_models.qwen3), TAGGED, "-n", "24", "--temp", "0", "-t", "2", "-s", "ar", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[-1]["type"] == "done" and lines[-1]["text"] and not lines[-1]["reasoning"]
+    assert {t["channel"] for t in lines if t["type"] == "token"} == {"content"}

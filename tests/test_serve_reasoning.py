@@ -278,6 +278,23 @@ def test_a_client_that_leaves_mid_thinking_cancels_it(qwq: Served) -> None:
     assert qwq.health()["cancelled"] > before and qwq.health()["running"] == 0
 
 
+# A question that writes the tags, the start tag last: read over the whole prompt, it would look like an open block.
+TAGGED = [{"role": "user", "content": "Does `</think>` close what the `<think>` tag opens?"}]
+
+
+def test_a_tag_in_a_message_leaves_the_opened_block_as_the_prompt_opened_it(qwq: Served) -> None:
+    """QwQ's generation prompt opens the block whatever the messages write: the output is reasoning, and under
+    reasoning_format none the content starts with the generation prompt's `<think>\n`, nothing of the question."""
+    client = qwq.client()
+    whole = client.chat.completions.create(model="smollm2-qwq", messages=TAGGED, temperature=0,
+                                           extra_body={"reasoning_budget_tokens": 12}).choices[0].message
+    assert _reasoning(whole) and whole.content, whole
+    raw = client.chat.completions.create(model="smollm2-qwq", messages=TAGGED, temperature=0,
+                                         extra_body={"reasoning_budget_tokens": 12, "reasoning_format": "none"})
+    thought = raw.choices[0].message.content.removeprefix("<think>\n")
+    assert thought != raw.choices[0].message.content and thought.strip().startswith(_reasoning(whole)[:20]), thought
+
+
 # -- Qwen3: the template turns thinking off ----------------------------------------------------------------------
 
 
@@ -319,6 +336,26 @@ def test_a_reasoning_sent_back_reaches_the_template(qwen3: Served) -> None:
     thought = qwen3.post("/v1/chat/completions", body).json()
     grown = thought["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
     assert grown >= _n_tokens(qwen3, history[1]["reasoning_content"])
+
+
+def test_a_tag_in_a_message_opens_no_block(qwen3: Served) -> None:
+    """A question that writes `<think>` and `</think>` (the start tag last): Qwen3's generation prompt opens no
+    block, so the answer is content, whole and streamed, as llama-server reads it (only what the generation
+    prompt adds decides, common/chat.cpp); reasoning_format none adds nothing of the prompt to it."""
+    client = qwen3.client()
+    whole = client.chat.completions.create(model="smollm2-qwen3", messages=TAGGED, temperature=0)
+    message = whole.choices[0].message
+    assert _reasoning(message) is None and message.content, message
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(model="smollm2-qwen3", messages=TAGGED, temperature=0, stream=True):
+        for choice in chunk.choices:
+            reasoning += _reasoning(choice.delta) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("", message.content)
+    raw = client.chat.completions.create(model="smollm2-qwen3", messages=TAGGED, temperature=0,
+                                         extra_body={"reasoning_format": "none"}).choices[0].message
+    assert _reasoning(raw) is None and raw.content.strip() == message.content.strip(), raw.content
 
 
 def test_no_think_is_refused_at_start_on_a_template_that_cannot(thinking_models) -> None:

@@ -309,11 +309,12 @@ class EngineWorker:
 
     def opening(self, request: GenRequest) -> str:
         """reasoning_format none: what the chat's generation prompt writes of the thinking block, which the content
-        starts with (backends.reasoning.opening)."""
+        starts with (backends.reasoning.opening); never a tag a message writes."""
         if self.reasoning is None or request.endpoint != "chat":
             return ""
         messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
-        return opening(self.reasoning, self.format.render(messages, tools=tools, kwargs=request.thinking.kwargs))
+        return opening(self.reasoning,
+                       self.format.generation_prompt(messages, tools=tools, kwargs=request.thinking.kwargs))
 
     def _admit(self, job: Job) -> None:
         """Start `job`'s choices in free slots (there are enough), or answer it at once (cancelled, or refused
