@@ -229,6 +229,8 @@ class Model:
     `special`, as llama.cpp's token_to_piece), or an ordinary one with `end_visible` (as llama.cpp 0.3.36 makes
     it in gpt-oss's own vocabulary: tests/test_control_tags.py)."""
 
+    eog_ids: tuple[int, ...] = ()  # the scripts end where they end: no end-of-generation token
+
     def __init__(self, end_visible: bool = False) -> None:
         self.pieces = {i: ("" if t == "<|end|>" and not end_visible else t).encode() for t, i in VOCAB.items()}
         self.special = {i: t.encode() for t, i in VOCAB.items()}
@@ -243,6 +245,17 @@ class Model:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         return (self.special if special else self.pieces)[token]
+
+
+class AnyToken:
+    """A grammar stand-in for the answer: every token allowed from its start (Thinking reads `start().allowed()`
+    to know whether the answer may be empty)."""
+
+    def start(self) -> "AnyToken":
+        return self
+
+    def allowed(self) -> list[bool]:
+        return [True] * (max(VOCAB.values()) + 1)
 
 
 class Inner:
@@ -314,7 +327,7 @@ def test_a_grammar_on_the_answer_gets_the_final_header_forced_first() -> None:
     """A grammar holds the answer, so the model could not write the final channel's header: it is forced, the
     part the prompt has not written (`<|channel|>final<|message|>` after the prompt's `<|start|>assistant`), or
     all of it after an analysis the model ended itself (a vocabulary that spells `<|end|>`: a stop string)."""
-    grammar = object()
+    grammar = AnyToken()
     model = Model()
     tokens, done = _generate(model, lambda prompt: [9] if prompt[-2:] == [8, 3] else [4, 4],
                              GenParams(max_tokens=16, reasoning=HARMONY, grammar=grammar))
