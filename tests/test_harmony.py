@@ -230,7 +230,6 @@ class Model:
     it in gpt-oss's own vocabulary: tests/test_control_tags.py)."""
 
     eog_ids: tuple[int, ...] = ()  # the scripts end where they end: no end-of-generation token
-
     def __init__(self, end_visible: bool = False) -> None:
         self.pieces = {i: ("" if t == "<|end|>" and not end_visible else t).encode() for t, i in VOCAB.items()}
         self.special = {i: t.encode() for t, i in VOCAB.items()}
@@ -248,8 +247,7 @@ class Model:
 
 
 class AnyToken:
-    """A grammar stand-in for the answer: every token allowed from its start (Thinking reads `start().allowed()`
-    to know whether the answer may be empty)."""
+    """A grammar stand-in: every token allowed from its start (Thinking reads whether the answer may be empty)."""
 
     def start(self) -> "AnyToken":
         return self
