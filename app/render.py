@@ -2,9 +2,9 @@
 view (as in the figure of Leviathan et al. 2023: accepted drafts green,
 rejected drafts red and struck through, the target's correction blue, the
 target's own tokens in the default colour; accepted tokens from prompt lookup
-cyan, from lookahead's n-gram pool yellow and from the model's own drafter, its
-MTP head or an EAGLE-3 draft, magenta, so `auto`'s mix shows), JSON
-event lines, and stats.
+cyan, from lookahead's n-gram pool yellow, and from the model's own drafters
+each in a colour of its own: its MTP head, an EAGLE-3 draft, a DFlash draft;
+so `auto`'s mix shows, and which drafter drafted), JSON event lines, and stats.
 """
 
 from __future__ import annotations
@@ -22,27 +22,56 @@ from backends.events import ACCEPTED, REJECTED, Done, Event, GenStats, Prefilled
 class Palette:
     """Styles of the speculation view; the target's own tokens keep the default style."""
 
-    accepted: str  # proposed by the draft model
+    accepted: str  # proposed by the draft model (and the grammar's forced tokens, the speculation memory's)
     rejected: str
     correction: str
     lookup: str  # accepted, proposed by prompt lookup
     lookahead: str  # accepted, proposed by lookahead's n-gram pool
-    mtp: str  # accepted, proposed by the model's own drafter family: its MTP head, an EAGLE-3 or a DFlash draft
+    mtp: str  # accepted, proposed by the target's own MTP head
+    eagle3: str  # accepted, proposed by an EAGLE-3 draft
+    dflash: str  # accepted, proposed by a DFlash (or DSpark) block draft
 
     def accepted_from(self, source: str) -> str:
-        return {"lookup": self.lookup, "lookahead": self.lookahead, "mtp": self.mtp, "eagle3": self.mtp,
-                "dflash": self.mtp}.get(source, self.accepted)
+        return {"lookup": self.lookup, "lookahead": self.lookahead, "mtp": self.mtp, "eagle3": self.eagle3,
+                "dflash": self.dflash}.get(source, self.accepted)
+
+    def source_style(self, source: str) -> str:
+        """The style a source's accepted tokens have: what a legend names it in ("" for the target's own)."""
+        return "" if source == "target" else self.accepted_from(source)
 
 
-# The terminal's own colours for the CLI; fixed colours in the chat app, whose theme
-# would otherwise turn ANSI red and blue into pink and purple.
+# The terminal's own colours for the CLI where it has one per source (its theme picks the shade); the two drafters
+# it has none left for get fixed 256-colour ones, which a 16-colour terminal maps to its nearest.
 ANSI = Palette(accepted="green", rejected="red strike", correction="blue", lookup="cyan", lookahead="yellow",
-               mtp="magenta")
+               mtp="magenta", eagle3="color(205)", dflash="color(208)")
+# Fixed colours in the chat app, whose theme would otherwise turn ANSI red and blue into pink and purple. The three
+# drafters' (violet, pink, orange) are of middle lightness, so that they read on dark and light themes alike: a
+# contrast ratio of 3.4 or more on every dark built-in Textual theme's background, 2.5 or more on every light one's
+# (where the draft model's green has under 2.5); and they are at least 17 CIEDE2000 units (28 CIE76) from each
+# other and from every other colour here, orange nearest to rejected red, which is also struck through.
 TRUECOLOR = Palette(accepted="#3fb950", rejected="#f85149 strike", correction="#58a6ff", lookup="#39c5cf",
-                    lookahead="#d29922", mtp="#bc8cff")
-LEGEND = ("speculation view: accepted from the draft = green, from the model's MTP head, EAGLE-3 or DFlash draft "
-          "= magenta, from prompt lookup = cyan, from lookahead = yellow; "
-          "rejected = red struck through; target's correction = blue; target's own token = default")
+                    lookahead="#d29922", mtp="#a371f7", eagle3="#e0529c", dflash="#db6d1c")
+
+# Who proposed an accepted token, in the legend's order: its source label (as --json's `source` and the stats line
+# name it), the words for it, and its colour's name in ANSI.
+LEGEND_SOURCES = (
+    ("draft", "the draft model", "green"),
+    ("mtp", "the model's MTP head", "magenta"),
+    ("eagle3", "an EAGLE-3 draft", "pink"),
+    ("dflash", "a DFlash draft", "orange"),
+    ("lookup", "prompt lookup", "cyan"),
+    ("lookahead", "lookahead", "yellow"),
+)
+
+
+def legend_name(source: str, words: str) -> str:
+    """A legend's name for a source: its words, and its label where that differs (e.g. "an EAGLE-3 draft (eagle3)")."""
+    return words if words == source else f"{words} ({source})"
+
+
+LEGEND = ("speculation view: accepted from "
+          + ", ".join(f"{legend_name(source, words)} = {colour}" for source, words, colour in LEGEND_SOURCES)
+          + "; rejected = red struck through; target's correction = blue; target's own token = default")
 
 
 def token_style(tok: Token, palette: Palette = ANSI) -> str:

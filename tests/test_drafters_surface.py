@@ -5,8 +5,8 @@
 app, F6 lists a target that carries an MTP head as such, a draft made for a target's layers as a draft only, and
 offers a target's own drafter first among its drafts; picking it loads an engine that drafts with it, even where
 the strategy was `sps` and no draft file is picked (an MTP head); a turn then shows the drafter's tokens under the
-same label: in the speculation view (F3: the tokens' source, their colour, which is not a draft model's) and in
-the stats bar's share of tokens by source.
+same label: in the speculation view (F3: the tokens' source, and their colour, the drafter's own, which is neither
+a draft model's nor another drafter's) and in the stats bar's share of tokens by source, named in that colour.
 """
 
 from __future__ import annotations
@@ -134,16 +134,20 @@ def test_f6_offers_the_targets_own_drafter_and_a_turn_drafts_with_it(hub: FakeHu
             await send(pilot, PROMPT)
             assert chat.last_done.reason in ("length", "eos") and chat.last_done.stats.strategy == "sps"
 
-            # F3's view: every drafted token under the drafter's label, its accepted ones in the colour of the
-            # model's own drafters (not a draft model's green), and the stats bar's share under the same label.
+            # F3's view: every drafted token under the drafter's label, its accepted ones in the drafter's own colour
+            # (not a draft model's green, nor another drafter's), and the stats bar's share under the same label,
+            # named in that colour.
             answer = chat.transcript.answers()[-1]
             assert chat.settings.speculation_view and answer.spec.display
             drafted = [t for t in answer.tokens if t.kind in (ACCEPTED, REJECTED)]
             assert {t.source for t in drafted} == {drafter}
             assert sum(t.kind == ACCEPTED for t in drafted) == chat.last_done.stats.tokens_by_source[drafter] > 0
             styles = {str(span.style) for span in answer.coloured.spans}
-            assert TRUECOLOR.mtp in styles and TRUECOLOR.accepted not in styles, styles
-            bar = chat.stats.render_text().plain
-            assert re.search(rf"\b{drafter} \d+%", bar.splitlines()[-1]), bar
+            own = TRUECOLOR.accepted_from(drafter)
+            others = {TRUECOLOR.accepted} | {TRUECOLOR.accepted_from(d) for d in DRAFTERS if d != drafter}
+            assert own in styles and not styles & others, styles
+            line = chat.stats.render_text().split("\n")[-1]
+            assert re.search(rf"\b{drafter} \d+%", line.plain), line.plain
+            assert any(line.plain[s.start:s.end] == drafter and str(s.style) == own for s in line.spans), line.spans
 
     asyncio.run(scenario())

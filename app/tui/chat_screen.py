@@ -43,7 +43,7 @@ from app.settings import CHAT_N_SEQ_MAX, Settings
 from app.tui.history_screen import HistoryScreen
 from app.tui.models_screen import ModelsScreen
 from app.tui.settings_screen import SettingsScreen
-from app.tui.stats_bar import StatsBar, turn_label
+from app.tui.stats_bar import StatsBar, legend_markup, turn_label
 from app.tui.messages import (BaselineMeasured, LoadFailed, LoadProgress, ModelLoaded, PromptDecoded, TokensArrived,
                               TurnFailed, TurnFinished)
 from app.tui.streaming import LiveStats, Pacer, stream_events
@@ -358,6 +358,8 @@ class ChatScreen(Screen):
 
     def action_toggle_view(self) -> None:
         self._change_settings(replace(self.settings, speculation_view=not self.settings.speculation_view))
+        if self.settings.speculation_view:  # what each colour means, drafters by name (the stats bar's share too)
+            self.notify(legend_markup(), title="speculation view", timeout=10)
 
     def action_toggle_thinking(self) -> None:
         self._change_settings(replace(self.settings, thinking=not self.settings.thinking))

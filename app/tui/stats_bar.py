@@ -1,6 +1,7 @@
 """The stats bar: strategy and its settings, acceptance, tokens per target
-forward, tokens/s, and the speedup against plain decoding measured on this
-device in this session."""
+forward, tokens/s, the speedup against plain decoding measured on this
+device in this session, and the share of tokens by source, each source named
+in its colour; and the speculation view's legend (F3)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,32 @@ from rich.text import Text
 from textual.widgets import Static
 
 from backends.registry import strategy_label
+from app.render import LEGEND_SOURCES, TRUECOLOR, legend_name
 from app.tui.streaming import LiveStats
 from backends.config import StrategyOptions
 from backends.sampling import GenParams
+
+
+def share_text(shares: list[tuple[str, int]]) -> Text:
+    """'draft 41% · target 59%', each source's name in the colour its accepted tokens have in the speculation view
+    (F3): the legend that names which colour is which drafter (the model's own MTP head, EAGLE-3 or DFlash draft,
+    a draft model, lookup, ...)."""
+    text = Text()
+    for i, (source, pct) in enumerate(shares):
+        if i:
+            text.append(" · ")
+        text.append(source, style=TRUECOLOR.source_style(source) or None)
+        text.append(f" {pct}%")
+    return text
+
+
+def legend_markup() -> str:
+    """The speculation view's legend as Textual markup, each item in its colour: who proposed an accepted token
+    (a draft model, each of the model's own drafters, lookup, lookahead), then rejected drafts and corrections."""
+    accepted = ", ".join(f"[{TRUECOLOR.source_style(source)}]{legend_name(source, words)}[/]"
+                         for source, words, _ in LEGEND_SOURCES)
+    return (f"accepted from {accepted}; [{TRUECOLOR.rejected}]rejected[/]; "
+            f"[{TRUECOLOR.correction}]the target's correction[/]; the target's own tokens plain")
 
 
 def turn_label(strategy: str, options: StrategyOptions, params: GenParams) -> str:
@@ -59,9 +83,10 @@ class StatsBar(Static):
                 text.append("  │  ")
                 text.append(f"{speedup:.2f}×", style="bold green" if speedup >= 1 else "bold red")
                 text.append(f" vs plain decoding ({self.baseline:.1f} tok/s here)")
-            share = live.source_share()
-            if share:
-                text.append(f"  │  {share}")
+            shares = live.shares()
+            if shares:
+                text.append("  │  ")
+                text.append_text(share_text(shares))
         elif self.baseline:
             text.append(f"plain decoding here: {self.baseline:.1f} tok/s")
         return text

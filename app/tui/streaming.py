@@ -89,12 +89,13 @@ class LiveStats:
     by_source: tuple[tuple[str, int], ...] = ()  # output tokens by who proposed them
     why: str = ""  # auto: what it chooses now, and why
 
-    def source_share(self) -> str:
-        """e.g. 'draft 41% · lookup 12% · target 47%' (empty when every token is the target's own)."""
+    def shares(self) -> list[tuple[str, int]]:
+        """Each source's share of the output tokens in percent, by source name, e.g. [('draft', 41), ('target', 59)]
+        ([] when every token is the target's own; app.tui.stats_bar.share_text shows it)."""
         total = sum(n for _, n in self.by_source)
         if not total or all(s == "target" for s, _ in self.by_source):
-            return ""
-        return " · ".join(f"{s} {100 * n / total:.0f}%" for s, n in sorted(self.by_source))
+            return []
+        return [(s, round(100 * n / total)) for s, n in sorted(self.by_source)]
 
     @property
     def tokens_per_second(self) -> float:
