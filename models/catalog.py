@@ -9,12 +9,14 @@ a fixed allowance for compute buffers and the process itself.
 
 A model may carry its own drafter (`"drafter"`): `{"kind": "mtp", "heads": N}`
 for a target whose file holds N MTP (NextN) layers after its trunk, which
-draft with no draft file (backends.mtp), or `"eagle3"` for an EAGLE-3 draft
+draft with no draft file (backends.mtp), `"eagle3"` for an EAGLE-3 draft
 file, which runs beside its target and reads its hidden states
-(backends.eagle3). A pair names a target and a draft; its draft may be left
+(backends.eagle3), or `"dflash"` for a DFlash block draft file, which runs
+beside its target too and drafts a block per decode from its layers
+(backends.dflash). A pair names a target and a draft; its draft may be left
 out where the target carries an MTP head, and `"drafter"` on a pair
-("mtp" or "eagle3") says which of them the pair drafts with when the models do
-not say it themselves. Every malformed entry is refused in one line
+("mtp", "eagle3" or "dflash") says which of them the pair drafts with when the
+models do not say it themselves. Every malformed entry is refused in one line
 (`CatalogError`).
 """
 
@@ -29,8 +31,11 @@ from typing import Any
 from models.errors import ModelError
 
 RUNTIME_OVERHEAD_GB = 0.5  # llama.cpp compute buffers + Python + the UI, measured order of magnitude
-MTP, EAGLE3, DRAFT = "mtp", "eagle3", "draft"  # how a pair drafts: the target's own head, an EAGLE-3 file, a model
-DRAFTER_KINDS = (MTP, EAGLE3)
+# How a pair drafts: the target's own head, an EAGLE-3 file, a DFlash file, a draft model.
+MTP, EAGLE3, DFLASH, DRAFT = "mtp", "eagle3", "dflash", "draft"
+DRAFTER_KINDS = (MTP, EAGLE3, DFLASH)
+DRAFT_FILES = (EAGLE3, DFLASH)  # drafters that are a file of their own, made for one target's hidden states
+KIND_NAMES = {MTP: "an MTP head", EAGLE3: "an EAGLE-3 draft", DFLASH: "a DFlash draft"}
 
 
 class CatalogError(ValueError):
@@ -39,8 +44,8 @@ class CatalogError(ValueError):
 
 @dataclass(frozen=True)
 class Drafter:
-    """The drafter a catalog model carries: its own MTP head(s), or it is an EAGLE-3 draft."""
-    kind: str  # MTP or EAGLE3
+    """The drafter a catalog model carries: its own MTP head(s), or it is an EAGLE-3 or a DFlash draft."""
+    kind: str  # MTP, EAGLE3 or DFLASH
     heads: int = 0  # MTP layers in the file (mtp only)
 
 
@@ -66,6 +71,11 @@ class CatalogModel:
     @property
     def is_eagle3(self) -> bool:
         return self.drafter is not None and self.drafter.kind == EAGLE3
+
+    @property
+    def is_draft_file(self) -> bool:
+        """An EAGLE-3 or DFlash draft: it runs only beside the target it was made for."""
+        return self.drafter is not None and self.drafter.kind in DRAFT_FILES
 
     @property
     def thinking_note(self) -> str:
@@ -107,7 +117,7 @@ class CatalogPair:
     target: CatalogModel
     draft: CatalogModel | None  # None: the target's own MTP head drafts
     notes: str
-    drafter: str = DRAFT  # MTP, EAGLE3 or DRAFT (a plain draft model)
+    drafter: str = DRAFT  # MTP, EAGLE3, DFLASH or DRAFT (a plain draft model)
 
     @property
     def models(self) -> tuple[CatalogModel, ...]:
@@ -117,7 +127,8 @@ class CatalogPair:
     @property
     def drafter_label(self) -> str:
         """How the pair drafts, in a few words ('' for a plain draft model)."""
-        return {MTP: "MTP head inside the target", EAGLE3: "EAGLE-3 draft"}.get(self.drafter, "")
+        return {MTP: "MTP head inside the target", EAGLE3: "EAGLE-3 draft", DFLASH: "DFlash draft"}.get(
+            self.drafter, "")
 
     @property
     def drafter_note(self) -> str:
@@ -127,6 +138,8 @@ class CatalogPair:
             return f"MTP head inside the target ({heads} layer{'s' if heads > 1 else ''}; no draft file)"
         if self.drafter == EAGLE3:
             return "EAGLE-3 draft (a -md file that reads the target's hidden states)"
+        if self.drafter == DFLASH:
+            return "DFlash draft (a -md file that reads the target's hidden states and drafts a block per decode)"
         return "draft model"
 
     def ram_gb(self, target_quant: str | None = None, draft_quant: str | None = None) -> float | None:
@@ -148,29 +161,31 @@ class Catalog:
         return next((p for p in self.pairs if p.name == name.lower()), None)
 
     def by_repo(self, repo: str) -> CatalogModel | None:
-        """The catalog model of a repo; where a repo holds a model and its EAGLE-3 draft, the model."""
+        """The catalog model of a repo; where a repo holds a model and its EAGLE-3 or DFlash draft, the model."""
         same = [m for m in self.models if m.repo.lower() == repo.lower()]
-        return next((m for m in same if not m.is_eagle3), same[0] if same else None)
+        return next((m for m in same if not m.is_draft_file), same[0] if same else None)
 
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.pairs) + tuple(m.alias for m in self.models)
 
 
 def _drafter(alias: str, raw: Any) -> Drafter | None:
-    """`"eagle3"`, `"mtp"` (one head), `{"kind": "mtp", "heads": N}` or `{"kind": "eagle3"}`."""
+    """`"eagle3"`, `"dflash"`, `"mtp"` (one head), `{"kind": "mtp", "heads": N}`, `{"kind": "eagle3"}` or
+    `{"kind": "dflash"}`."""
     if raw is None:
         return None
     spec = {"kind": raw} if isinstance(raw, str) else raw
     if not isinstance(spec, dict) or spec.get("kind") not in DRAFTER_KINDS:
-        raise CatalogError(f"catalog model {alias}: drafter is \"eagle3\" or {{\"kind\": \"mtp\", \"heads\": N}}, "
-                           f"not {json.dumps(raw)}")
+        raise CatalogError(f"catalog model {alias}: drafter is \"eagle3\", \"dflash\" or "
+                           f"{{\"kind\": \"mtp\", \"heads\": N}}, not {json.dumps(raw)}")
     extra = set(spec) - {"kind", "heads"}
     if extra:
         raise CatalogError(f"catalog model {alias}: unknown drafter field(s) {', '.join(sorted(extra))}")
-    if spec["kind"] == EAGLE3:
+    if spec["kind"] in DRAFT_FILES:
         if "heads" in spec:
-            raise CatalogError(f"catalog model {alias}: an EAGLE-3 draft has no heads (only an MTP drafter does)")
-        return Drafter(EAGLE3)
+            raise CatalogError(f"catalog model {alias}: {KIND_NAMES[spec['kind']]} has no heads (only an MTP "
+                               "drafter does)")
+        return Drafter(spec["kind"])
     heads = spec.get("heads", 1)
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
         raise CatalogError(f"catalog model {alias}: an MTP drafter's heads is a whole number from 1, "
@@ -218,22 +233,23 @@ def _pair(raw: Any, models: dict[str, CatalogModel]) -> CatalogPair:
     target, draft = picked["target"], picked.get("draft")
     said = raw.get("drafter")
     if said is not None and said not in DRAFTER_KINDS:
-        raise CatalogError(f"catalog pair {name}: drafter is \"mtp\" or \"eagle3\", not {json.dumps(said)}")
-    if target.is_eagle3:
-        raise CatalogError(f"catalog pair {name}: its target {target.alias} is an EAGLE-3 draft, which runs only "
-                           "beside a target")
+        raise CatalogError(f"catalog pair {name}: drafter is \"mtp\", \"eagle3\" or \"dflash\", not {json.dumps(said)}")
+    if target.is_draft_file:
+        raise CatalogError(f"catalog pair {name}: its target {target.alias} is {KIND_NAMES[target.drafter.kind]}, "
+                           "which runs only beside a target")
     if draft is None:
-        if said == EAGLE3:
-            raise CatalogError(f"catalog pair {name}: an EAGLE-3 pair names its draft")
+        if said in DRAFT_FILES:
+            raise CatalogError(f"catalog pair {name}: {KIND_NAMES[said].removesuffix(' draft')} pair names its draft")
         if not target.mtp_heads:
             raise CatalogError(f"catalog pair {name}: no draft, and its target {target.alias} carries no MTP head "
                                "(name a draft, or give the target a drafter {\"kind\": \"mtp\"})")
         return CatalogPair(name, target, None, raw.get("notes", ""), MTP)
     if said == MTP:
         raise CatalogError(f"catalog pair {name}: it drafts with the target's MTP head, so it names no draft")
-    if said == EAGLE3 and draft.drafter is not None and not draft.is_eagle3:
-        raise CatalogError(f"catalog pair {name}: its draft {draft.alias} carries an MTP head, not an EAGLE-3 draft")
-    kind = EAGLE3 if draft.is_eagle3 or said == EAGLE3 else DRAFT
+    if said in DRAFT_FILES and draft.drafter is not None and draft.drafter.kind != said:
+        what = "carries an MTP head" if draft.drafter.kind == MTP else f"is {KIND_NAMES[draft.drafter.kind]}"
+        raise CatalogError(f"catalog pair {name}: its draft {draft.alias} {what}, not {KIND_NAMES[said]}")
+    kind = draft.drafter.kind if draft.is_draft_file else said or DRAFT
     return CatalogPair(name, target, draft, raw.get("notes", ""), kind)
 
 

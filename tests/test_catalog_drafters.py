@@ -1,10 +1,12 @@
-"""Catalog models that carry their own drafter: an MTP head inside the target, an EAGLE-3 draft beside it.
+"""Catalog models that carry their own drafter: an MTP head inside the target, an EAGLE-3 or a DFlash draft beside it.
 
 The parsing (models.catalog) on small catalogs, malformed entries refused in
 one line; the packaged entries; `models pairs` showing how each pair drafts;
-and `models pull` / resolve of a pair whose target drafts with its own MTP
-head fetching and naming the target alone (against the local FakeHub, with a
-tiny qwen35 file that carries one head, tests/qwen35_factory.py).
+`models pull` / resolve of a pair whose target drafts with its own MTP head
+fetching and naming the target alone (against the local FakeHub, with a tiny
+qwen35 file that carries one head, tests/qwen35_factory.py); and of a DFlash
+pair fetching both files and checking that the draft fits its target (tiny
+files from tests/dflash_factory.py under the catalog's names).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import Any, Callable
 
 import pytest
 from hub_server import FakeHub, HubGGUFs
+from dflash_factory import DFlashPair, write_dflash_pair
 from hub_server import hub, hub_ggufs  # noqa: F401  (fixtures used by name)
 from qwen35_factory import write_qwen35_mtp_target
 
 from app.cli import main
-from models.catalog import DRAFT, EAGLE3, MTP, CatalogError, Drafter, load_catalog, parse_catalog
+from models.catalog import DFLASH, DRAFT, EAGLE3, MTP, CatalogError, Drafter, load_catalog, parse_catalog
 from models.errors import ModelError
 from models.resolve import hub_models, resolve_model, single_hub_model
 
@@ -37,6 +40,8 @@ BASE: dict[str, Any] = {
         "headed1": _model("o/headed1", drafter="mtp"),
         "eagle": _model("o/big", file="eagle3-big-{quant}.gguf", drafter="eagle3"),
         "eagle-obj": _model("o/eagle", drafter={"kind": "eagle3"}),
+        "flash": _model("o/big", file="big-DFlash.{quant}.gguf", drafter="dflash"),
+        "flash-obj": _model("o/flash", drafter={"kind": "dflash"}),
     },
     "pairs": [
         {"name": "plain", "target": "big", "draft": "small"},
@@ -45,6 +50,8 @@ BASE: dict[str, Any] = {
         {"name": "eagle-pair", "target": "big", "draft": "eagle"},
         {"name": "eagle-said", "target": "big", "draft": "small", "drafter": "eagle3"},
         {"name": "head-and-draft", "target": "headed", "draft": "small"},
+        {"name": "flash-pair", "target": "big", "draft": "flash"},
+        {"name": "flash-said", "target": "big", "draft": "small", "drafter": "dflash"},
     ],
 }
 
@@ -65,7 +72,22 @@ def test_the_new_shapes_parse() -> None:
     assert p["eagle-pair"].drafter == p["eagle-said"].drafter == EAGLE3
     assert p["eagle-pair"].drafter_label == "EAGLE-3 draft"
     assert p["head-and-draft"].drafter == DRAFT and p["head-and-draft"].models == (m["headed"], m["small"])
-    assert catalog.by_repo("o/big") is m["big"]  # the model, not the EAGLE-3 draft in the same repo
+    assert catalog.by_repo("o/big") is m["big"]  # the model, not the EAGLE-3 or DFlash draft in the same repo
+
+
+def test_a_dflash_draft_is_a_drafter_kind_of_its_own() -> None:
+    """A DFlash draft is a file beside its target like an EAGLE-3 one, and its pair says so."""
+    catalog = parse_catalog(BASE)
+    m = {x.alias: x for x in catalog.models}
+    assert m["flash"].drafter == m["flash-obj"].drafter == Drafter(DFLASH)
+    assert m["flash"].is_draft_file and not m["flash"].is_eagle3 and m["flash"].mtp_heads == 0
+    assert m["eagle"].is_draft_file and not m["headed"].is_draft_file and not m["big"].is_draft_file
+    p = {x.name: x for x in catalog.pairs}
+    assert p["flash-pair"].drafter == p["flash-said"].drafter == DFLASH
+    assert p["flash-pair"].models == (m["big"], m["flash"])
+    assert p["flash-pair"].drafter_label == "DFlash draft"
+    assert p["flash-pair"].drafter_note.startswith("DFlash draft (a -md file")
+    assert p["flash-pair"].ram_gb() == pytest.approx(4.0 + 0.1 + 1.0 + 0.1 + 0.5)
 
 
 def _edit(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -99,8 +121,18 @@ MALFORMED: list[tuple[Callable[[dict[str, Any]], None], str]] = [
     (lambda d: d["pairs"].append({"name": "x", "target": "nope", "draft": "small"}),
      "catalog pair x: its target 'nope' is not a catalog model"),
     (lambda d: d["pairs"].append({"name": "x", "draft": "small"}), "catalog pair x: needs a target"),
-    (lambda d: d["pairs"].append({"name": "x", "target": "big", "draft": "small", "drafter": "dflash"}),
-     "catalog pair x: drafter is \"mtp\" or \"eagle3\", not \"dflash\""),
+    (lambda d: d["pairs"].append({"name": "x", "target": "big", "draft": "small", "drafter": "medusa"}),
+     "catalog pair x: drafter is \"mtp\", \"eagle3\" or \"dflash\", not \"medusa\""),
+    (lambda d: d["models"]["flash"].update(drafter={"kind": "dflash", "heads": 1}),
+     "catalog model flash: a DFlash draft has no heads"),
+    (lambda d: d["pairs"].append({"name": "x", "target": "flash", "draft": "small"}),
+     "catalog pair x: its target flash is a DFlash draft, which runs only beside a target"),
+    (lambda d: d["pairs"].append({"name": "x", "target": "headed", "drafter": "dflash"}),
+     "catalog pair x: a DFlash pair names its draft"),
+    (lambda d: d["pairs"].append({"name": "x", "target": "big", "draft": "eagle", "drafter": "dflash"}),
+     "catalog pair x: its draft eagle is an EAGLE-3 draft, not a DFlash draft"),
+    (lambda d: d["pairs"].append({"name": "x", "target": "big", "draft": "flash", "drafter": "eagle3"}),
+     "catalog pair x: its draft flash is a DFlash draft, not an EAGLE-3 draft"),
     (lambda d: d["pairs"].append({"target": "big"}), "needs a name"),
     (lambda d: d["pairs"].append({"name": "plain", "target": "headed"}), "catalog pair names used twice: ['plain']"),
     (lambda d: d.pop("pairs"), "the catalog is an object with \"models\""),
@@ -128,6 +160,20 @@ def test_the_packaged_catalog_has_an_mtp_pair_and_an_eagle3_pair() -> None:
     assert catalog.by_repo("ggml-org/gpt-oss-20b-GGUF") is eagle.target
 
 
+def test_the_packaged_catalog_has_a_dflash_pair() -> None:
+    """Qwen3-8B (the catalog's own target) with the DFlash draft published for it as a GGUF (repository and file
+    name as public pages give them: AtomicChat/Qwen3-8B-DFlash-GGUF, Qwen3-8B-DFlash.Q8_0.gguf)."""
+    catalog = load_catalog()
+    pair = catalog.pair("qwen3-dflash")
+    assert pair is not None and pair.drafter == DFLASH and pair.draft is not None and pair.draft.is_draft_file
+    assert pair.target is catalog.model("qwen3-8b") and pair.draft is catalog.model("qwen3-8b-dflash")
+    assert (pair.draft.repo, pair.draft.pattern()) == ("AtomicChat/Qwen3-8B-DFlash-GGUF", "Qwen3-8B-DFlash.Q8_0.gguf")
+    assert (pair.target.repo, pair.target.pattern()) == ("Qwen/Qwen3-8B-GGUF", "Qwen3-8B-Q4_K_M.gguf")
+    assert catalog.by_repo("AtomicChat/Qwen3-8B-DFlash-GGUF") is pair.draft
+    t, d = hub_models("qwen3-dflash")
+    assert (t.pattern, d.pattern) == ("Qwen3-8B-Q4_K_M.gguf", "Qwen3-8B-DFlash.Q8_0.gguf")
+
+
 def test_an_mtp_pair_names_its_target_alone_and_an_eagle3_pair_both() -> None:
     (target,) = hub_models("qwen3.5-mtp")
     assert (target.alias, target.repo, target.pattern) == \
@@ -147,6 +193,8 @@ def test_models_pairs_says_how_each_pair_drafts(capsys: pytest.CaptureFixture[st
     assert "drafts with: EAGLE-3 draft" in blocks["gpt-oss-eagle3"]
     assert "  draft  gpt-oss-20b-eagle3 " in blocks["gpt-oss-eagle3"]
     assert "drafts with: draft model" in blocks["qwen2.5"]
+    assert "drafts with: DFlash draft (a -md file" in blocks["qwen3-dflash"]
+    assert "  draft  qwen3-8b-dflash " in blocks["qwen3-dflash"]
 
 
 MTP_REPO, MTP_FILE = "unsloth/Qwen3.5-4B-MTP-GGUF", "Qwen3.5-4B-Q4_K_M.gguf"
@@ -175,3 +223,38 @@ def test_an_mtp_pair_whose_file_has_no_head_is_refused(hub: FakeHub, hub_ggufs: 
     hub.add_file(MTP_REPO, MTP_FILE, hub_ggufs.target)  # a llama file with no NextN layers, under the catalog's name
     assert main(["models", "pull", "qwen3.5-mtp"]) == 1
     assert "incompatible: qwen3.5-4b-mtp carries no MTP head" in capsys.readouterr().out
+
+
+DFLASH_TARGET = ("Qwen/Qwen3-8B-GGUF", "Qwen3-8B-Q4_K_M.gguf")
+DFLASH_DRAFT = ("AtomicChat/Qwen3-8B-DFlash-GGUF", "Qwen3-8B-DFlash.Q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def dflash_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny llama target and its DFlash draft, and a target of another hidden size that the draft does not fit."""
+    d = tmp_path_factory.mktemp("dflash")
+    write_dflash_pair(d / "target.gguf", d / "draft.gguf")
+    write_dflash_pair(d / "wide-target.gguf", d / "wide-draft.gguf", model=DFlashPair(n_embd=128))
+    return {"target": d / "target.gguf", "draft": d / "draft.gguf", "wide": d / "wide-target.gguf"}
+
+
+def test_pulling_a_dflash_pair_fetches_both_and_checks_the_draft(hub: FakeHub,  # noqa: F811
+                                                                 dflash_files: dict[str, Path],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    hub.add_file(*DFLASH_TARGET, dflash_files["target"])
+    hub.add_file(*DFLASH_DRAFT, dflash_files["draft"])
+    assert main(["models", "pull", "qwen3-dflash"]) == 0
+    assert "compatible: qwen3-8b-dflash can speculate for qwen3-8b" in capsys.readouterr().out
+    assert [r.path.rsplit("/", 1)[1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path] \
+        == [DFLASH_TARGET[1], DFLASH_DRAFT[1]]
+    assert resolve_model("qwen3-8b-dflash").read_bytes() == dflash_files["draft"].read_bytes()
+
+
+def test_a_dflash_pair_whose_draft_does_not_fit_its_target_is_refused(hub: FakeHub,  # noqa: F811
+                                                                      dflash_files: dict[str, Path],
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    hub.add_file(*DFLASH_TARGET, dflash_files["wide"])  # hidden size 128 under the catalog's name; the draft's is 64
+    hub.add_file(*DFLASH_DRAFT, dflash_files["draft"])
+    assert main(["models", "pull", "qwen3-dflash"]) == 1
+    out = capsys.readouterr().out
+    assert "incompatible: qwen3-8b-dflash cannot speculate for qwen3-8b" in out and "hidden size is 64" in out

@@ -30,7 +30,7 @@ def test_pairs_lists_the_packaged_catalog_with_sizes_and_ram(capsys) -> None:
     raw = json.loads(resources.files("models").joinpath("catalog.json").read_text())
     rc, out, err = _cli(capsys, "models", "pairs")
     assert rc == 0, err
-    assert len(raw["pairs"]) == 7
+    assert len(raw["pairs"]) == 8
     for pair in raw["pairs"]:
         roles = [(raw["models"][pair[role]], pair[role]) for role in ("target", "draft") if pair.get(role)]
         ram = sum(m["sizes_gb"][m["default_quant"]] + m["kv_gb"] for m, _alias in roles)
