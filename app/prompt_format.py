@@ -77,25 +77,28 @@ class PromptFormat:
         return out
 
     def reasoning_for(self, messages: Sequence[ChatMessage], system_prompt: str = "",
-                      tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None
-                      ) -> ReasoningFormat | None:
+                      tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None,
+                      rendered: str | None = None) -> ReasoningFormat | None:
         """The thinking format for this conversation's answer: whether its generation prompt leaves the block open
         (a template that opens it, as QwQ's does). Only the generation prompt says so, as llama.cpp reads it: a
-        message that writes a tag ("What does `<think>` do?") opens nothing. None for a model that does not think."""
+        message that writes a tag ("What does `<think>` do?") opens nothing. None for a model that does not think.
+        `rendered`: the conversation's `render` already made, so that it is not rendered again."""
         fmt = self.reasoning
         if fmt is None:
             return None
-        text = self.generation_prompt(messages, system_prompt, tools, kwargs)
+        text = self.generation_prompt(messages, system_prompt, tools, kwargs, rendered)
         return replace(fmt, opened=text.rfind(fmt.start) > text.rfind(fmt.end))
 
     def generation_prompt(self, messages: Sequence[ChatMessage], system_prompt: str = "",
-                          tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> str:
+                          tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None,
+                          rendered: str | None = None) -> str:
         """What the assistant's opened turn adds to the conversation's text: its rendering with the turn less its
         rendering without it (add_generation_prompt false), from where they differ, as llama.cpp computes it
-        (common/chat.cpp, common_chat_template_generation_prompt). "" without a template."""
+        (common/chat.cpp, common_chat_template_generation_prompt). "" without a template. `rendered`: the
+        rendering with the turn (`render`), when the caller has it already."""
         if self.plain:
             return ""
-        with_turn = self.render(messages, system_prompt, tools, kwargs)
+        with_turn = self.render(messages, system_prompt, tools, kwargs) if rendered is None else rendered
         # The template with its variable set false at its top (the newline after the tag is trim_blocks', so the
         # template's own text is untouched): render_chat always opens the turn.
         try:
@@ -138,7 +141,10 @@ class PromptFormat:
                tools: Sequence[dict] | None = None, kwargs: Mapping[str, object] | None = None) -> list[int]:
         """The conversation's tokens; `tools` go to a template that uses them (app.serve.tools decides), `kwargs`
         are the template's variables (`thinking_kwargs`)."""
-        text = self.render(messages, system_prompt, tools, kwargs)
+        return self.encode(self.render(messages, system_prompt, tools, kwargs))
+
+    def encode(self, text: str) -> list[int]:
+        """The tokens of a conversation's `render`."""
         if self.plain:
             return self.engine.tokenize(text)
         model, info = self.engine.target_model, self.engine.target_info

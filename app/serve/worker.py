@@ -292,14 +292,15 @@ class EngineWorker:
         if request.endpoint == "chat":
             messages, tools = prompt_messages(request.messages, request.tools, request.tool_choice, self.tool_format)
             kwargs = request.thinking.kwargs
+            text = self.format.render(messages, tools=tools, kwargs=kwargs)  # once: the prompt and its opening
             if self.reasoning is not None:
-                fmt = self.format.reasoning_for(messages, tools=tools, kwargs=kwargs)
+                fmt = self.format.reasoning_for(messages, tools=tools, kwargs=kwargs, rendered=text)
                 if fmt is not None and self.tool_format == "harmony" and request.must_call:
                     # The call's header before its grammar, as the final header before response_format's.
                     fmt = replace(fmt, after=forced_header([t.name for t in request.tool_choice.offered(request.tools)]))
                 params = replace(params, reasoning=fmt,
                                  reasoning_budget=request.thinking.budget, reasoning_message=request.thinking.message)
-            return self.format.tokens(messages, tools=tools, kwargs=kwargs), params
+            return self.format.encode(text), params
         if isinstance(request.prompt, tuple):
             n_vocab = self.engine.target_model.n_vocab
             if any(not 0 <= t < n_vocab for t in request.prompt):
