@@ -39,7 +39,7 @@ from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
 from backends.memory import SpeculationMemory
 from backends.memory_file import memory_file, memory_dir
-from backends.mtp import mtp_lanes
+from backends.mtp_chain import mtp_lanes
 from backends.reasoning import Thinking
 from backends.registry import spec
 from backends.slot import Learnt, Slot

@@ -92,6 +92,9 @@ class KvSequence:
     # The longest chain one `syncing` gives, for a drafter that proposes a whole block from one decode
     # (backends.dflash); None: one decode per drafted token, as long as a strategy asks.
     chain_max: int | None = None
+    # The deepest a chain or a tree's path may be drafted, one decode per token as usual (a model's chained MTP
+    # heads: one head per draft position, backends.mtp_chain); None: as deep as a strategy asks.
+    depth_max: int | None = None
 
     def __init__(self, lane: Lane | LlamaContext, base: int = 0, n_ids: int | None = None,
                  n_ctx: int | None = None) -> None:

@@ -9,7 +9,8 @@ fills them through `common_batch` (common/common.cpp, `get_sub_batch`) with
 `llama_batch_ext_add_token`, `llama_batch_ext_set_pos`,
 `llama_batch_ext_set_embd_token` and `llama_batch_ext_set_output_logits`,
 decodes with `llama_process`, and reads the hidden states out with
-`llama_get_embeddings_nextn[_ith]` (llama_cpp.llama_cpp_ext: C++ symbols).
+`llama_get_embeddings_nextn[_ith]` (llama_cpp.llama_cpp_ext: C++ symbols). A model with several
+NextN blocks has them picked per decode with `llama_set_nextn_layer_offset` (backends.mtp_chain).
 
 Two readings of the hidden rows, as llama.cpp sets them (`llama_set_embeddings_nextn(ctx, on, masked)`):
   - the target's context, unmasked: one row per batch row, whether its logits
@@ -115,6 +116,16 @@ def layer_input_rows(ctx: LlamaContext, lid: int, n_rows: int) -> np.ndarray:
 def enable_hidden(ctx: LlamaContext, masked: bool) -> None:
     """Have `ctx` output its NextN hidden rows from now on (masked: for the rows that want logits only)."""
     llama_cpp_ext.llama_set_embeddings_nextn(ctx.ptr, True, masked)
+
+
+def set_nextn_layer_offset(ctx: LlamaContext, offset: int) -> None:
+    """Have the MTP context's next decodes run its model's NextN block `offset` (0 = the first head): how
+    llama.cpp chains a model's several heads (common/speculative.cpp, `chain_heads`). llama.cpp aborts on an
+    offset outside 0 .. n_layer_nextn - 1, so one is refused here."""
+    n = max(ctx.model.n_layer_nextn, 1)  # the heads loaded with the model
+    if not 0 <= offset < n:
+        raise ValueError(f"head {offset} is not in 0..{n - 1}")
+    llama_cpp_ext.llama_set_nextn_layer_offset(ctx.ptr, offset)
 
 
 def hidden_rows(ctx: LlamaContext, n_rows: int) -> np.ndarray:

@@ -9,8 +9,9 @@ already predicted x_p, so the head looks one token further. To draft after a
 context of n tokens, the head holds the rows 0 .. n-2 (each paired with the
 target's hidden state), decodes (x_{n-1}, h_{n-2}) for the first draft token,
 then feeds each drafted token with its *own* hidden output, as deep as the
-chain goes (Qwen3.5's one head reused; a model with several heads chains
-them, which llama.cpp 0.3.36 does only for step35: not done here).
+chain goes (Qwen3.5's one head reused). A model with several heads chains
+them, draft k by head k (llama.cpp's `chain_heads` mode: step35, mimo2,
+hy_v3): backends.mtp_chain, built on the classes here.
 
 Here the head is a `KvSequence` of its own lane (`MtpSequence`), so
 everything built on a draft model's sequence (`sps`, `auto`'s chains, the
@@ -197,6 +198,25 @@ class MtpSequence(KvSequence):
             out.append((tokens[p], p, (self.base,), False, h))
         return out
 
+    def _reach(self, tokens: Sequence[int], keep: int) -> int:
+        """How far a prefill from `keep` may decode `tokens`: as far as the target's states are at hand."""
+        stop = keep
+        while stop < len(tokens) and (stop == 0 or self.stash.get(stop - 1, tokens[stop - 1]) is not None):
+            stop += 1
+        return stop
+
+    def _catch_up_span(self, tokens: Sequence[int], logits: bool) -> tuple[int, int]:
+        """What `syncing(tokens, logits)` keeps of the head's paired cells (the rest are dropped here) and where
+        its rows stop: the end, or with logits=False as far as the target's states are at hand."""
+        keep = min(common_prefix(self.tokens, tokens), self.paired)
+        if logits and keep == len(tokens):
+            keep -= 1
+        self.truncate(keep)
+        stop = len(tokens) if logits else self._reach(tokens, keep)
+        if stop > self.n_ctx:
+            raise ContextFullError(f"{stop} tokens do not fit in the context of {self.n_ctx}")
+        return keep, stop
+
     def syncing(self, tokens: Sequence[int], logits: bool = True) -> Generator[Decode, list[int], int]:
         """Make the head hold `tokens`, every row paired with the target's state; returns how many it kept.
 
@@ -204,17 +224,7 @@ class MtpSequence(KvSequence):
         states are at hand: a prompt the target has not decoded yet is caught
         up at the next syncing, in the batch of the first draft row.
         """
-        keep = min(common_prefix(self.tokens, tokens), self.paired)
-        if logits and keep == len(tokens):
-            keep -= 1
-        self.truncate(keep)
-        stop = len(tokens)
-        if not logits:
-            stop = keep
-            while stop < len(tokens) and (stop == 0 or self.stash.get(stop - 1, tokens[stop - 1]) is not None):
-                stop += 1
-        if stop > self.n_ctx:
-            raise ContextFullError(f"{stop} tokens do not fit in the context of {self.n_ctx}")
+        keep, stop = self._catch_up_span(tokens, logits)
         rows: list[int] = []
         for start in range(keep, stop, self.lane.chunk):
             end = min(stop, start + self.lane.chunk)
@@ -311,12 +321,13 @@ class MtpSequence(KvSequence):
 
 
 def mtp_lanes(target: Lane, ctx: LlamaContext, ids: int, chunk: int | None, n_slots: int, n_ctx: int,
+              lane: MtpLane | None = None, sequence: type[MtpSequence] = MtpSequence,
               ) -> tuple[MtpLane, list[MtpSequence]]:
-    """The head's lane over `ctx` (the target model's MTP context) and one MtpSequence per slot, fed with the
-    target lane's hidden rows from now on."""
+    """The head's lane over `ctx` (the target model's MTP context; `lane` when given, a chained heads' one,
+    backends.mtp_chain) and one `sequence` per slot, fed with the target lane's hidden rows from now on."""
     enable_hidden(target.ctx, masked=False)
     enable_hidden(ctx, masked=True)
-    lane = MtpLane(ctx, ids, chunk)
+    lane = lane or MtpLane(ctx, ids, chunk)
     stashes = [HiddenStash(i * ids, ids, ctx.model.n_embd, cap=max(256, n_ctx)) for i in range(n_slots)]
     target.followers.append(HiddenFeed(target.ctx, stashes))
-    return lane, [MtpSequence(lane, stashes[i], i * ids, ids, n_ctx) for i in range(n_slots)]
+    return lane, [sequence(lane, stashes[i], i * ids, ids, n_ctx) for i in range(n_slots)]

@@ -11,7 +11,8 @@ propose from a reduced vocabulary mapped back by its `d2t` tensor
 and proposes a whole chain from one decode of `[last token, <mask> x k]`
 (docs/dflash-protocol.md). llama.cpp 0.3.36 runs MTP heads
 for the architectures whose graph has an MTP form (src/models/*.cpp, those
-whose build_arch_graph handles LLM_GRAPH_TYPE_DECODER_MTP); GLM-4 keeps the
+whose build_arch_graph handles LLM_GRAPH_TYPE_DECODER_MTP), several of them
+chained for three (`CHAINED_MTP_ARCHITECTURES`); GLM-4 keeps the
 tensors "preserved but unused", so a file of another architecture is run
 without its head rather than asked for a graph llama.cpp lacks.
 """
@@ -20,16 +21,34 @@ from __future__ import annotations
 
 from models.gguf_info import GGUFInfo
 
+# glm5-next is not one: its build_arch_graph throws for the MTP graph ("GLM5-Next NextN graph not implemented
+# yet", src/models/glm5-next.cpp:189-191).
 MTP_ARCHITECTURES = frozenset({
-    "glm4moe", "glm-dsa", "glm5-next", "deepseek2", "deepseek32", "deepseek4", "qwen35", "qwen35moe",
+    "glm4moe", "glm-dsa", "deepseek2", "deepseek32", "deepseek4", "qwen35", "qwen35moe",
     "qwen3next", "step35", "mimo2", "hy_v3", "nemotron_h_moe", "bailingmoe3", "cohere2moe",
 })
+
+# The architectures whose MTP graph runs any of several NextN blocks, picked per decode by
+# llama_set_nextn_layer_offset (src/models/step35.cpp:376, mimo2.cpp:276, hy-v3.cpp:245): with more than one,
+# llama.cpp chains them, draft k by head k (common/speculative.cpp, `chain_heads`; backends.mtp_chain). The
+# others' MTP graph asserts a single block (e.g. src/models/qwen35.cpp:489): llama.cpp would abort on a file of
+# theirs with several, so such a file is not drafted with.
+CHAINED_MTP_ARCHITECTURES = frozenset({"step35", "mimo2", "hy_v3"})
 
 
 def mtp_heads(info: GGUFInfo) -> int:
     """The MTP layers of a file that specchat can draft with (0: none, or an architecture llama.cpp cannot run
-    them for)."""
-    return info.nextn_layers if info.architecture in MTP_ARCHITECTURES else 0
+    them for, or as many of them)."""
+    if info.architecture not in MTP_ARCHITECTURES:
+        return 0
+    if info.nextn_layers > 1 and info.architecture not in CHAINED_MTP_ARCHITECTURES:
+        return 0
+    return info.nextn_layers
+
+
+def mtp_chained(info: GGUFInfo) -> bool:
+    """Whether the file's MTP heads are chained (draft k by head k, at most one draft per head a step)."""
+    return mtp_heads(info) > 1
 
 
 def eagle3_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
@@ -84,6 +103,12 @@ def describe_drafters(info: GGUFInfo) -> str:
     if info.nextn_layers and info.architecture not in MTP_ARCHITECTURES:
         return (f"{info.nextn_layers} MTP layer(s), which llama.cpp 0.3.36 does not run for the "
                 f"{info.architecture} architecture")
+    if info.nextn_layers and not mtp_heads(info):
+        return (f"{info.nextn_layers} MTP layers, which llama.cpp 0.3.36 does not run: its {info.architecture} "
+                "MTP graph takes a single head")
+    if mtp_chained(info):
+        return (f"MTP heads: {info.nextn_layers}, chained (draft k by head k, up to {info.nextn_layers} drafts a "
+                "step; drafts without a draft model)")
     if info.nextn_layers:
         return f"MTP heads: {info.nextn_layers} (drafts without a draft model)"
     return "none"

@@ -1,8 +1,10 @@
-"""A target's own MTP head as the drafter (backends.mtp), on real llama.cpp with tiny glm4moe files that carry one.
+"""A target's own MTP head as the drafter (backends.mtp), on real llama.cpp with tiny files that carry heads.
 
-The files (tests/drafter_factory.py) make the head's agreement with the
-target tunable: `agreeing` has most drafts accepted, `random` few, so both the
-accepting and the rejecting paths run. Greedy output is `ar`'s token for token
+Every test runs on two kinds of file: glm4moe with one head, reused for every
+draft (tests/drafter_factory.py), and hy_v3 with three heads chained, draft k
+by head k (tests/mtp_chain_factory.py, backends.mtp_chain). The files make
+the heads' agreement with the target tunable: `agreeing` has most drafts
+accepted, `random` few, so both the accepting and the rejecting paths run. Greedy output is `ar`'s token for token
 for every strategy that drafts with the head, alone and under the server's
 scheduler; with sampling, the law of the first two tokens is the target's
 (chi-square at stats_helpers.ALPHA); the head's cells follow the accepted text
@@ -20,10 +22,12 @@ from backends.config import StrategyOptions, TreeConfig
 from backends.engine import Engine, EngineConfig
 from backends.events import Token
 from backends.mtp import MtpSequence
+from backends.mtp_chain import ChainedMtpSequence
 from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
 from conftest import TINY_VOCAB_WORDS
 from drafter_factory import MtpModel, write_mtp_target
+from mtp_chain_factory import ChainModel, write_chained_mtp_target
 from engine_helpers import run_to_done
 from gguf_factory import spm_vocab
 from models.drafters import describe_drafters, mtp_heads
@@ -37,20 +41,32 @@ PROMPTS = ([1, 300, 301, 302, 303], [1, 259 + 4, 259 + 9, 259 + 2], [1, 271, 283
 
 @dataclass(frozen=True)
 class MtpFiles:
+    architecture: str
+    heads: int  # the file's MTP heads: 1 reused, or several chained
     agreeing: Path
     random: Path
     small: Path  # a 12-token vocabulary, for the chi-square test
 
 
-@pytest.fixture(scope="module")
-def mtp_files(tmp_path_factory: pytest.TempPathFactory) -> MtpFiles:
-    d = tmp_path_factory.mktemp("mtp")
-    return MtpFiles(
-        agreeing=write_mtp_target(d / "agreeing.gguf", MtpModel(residual=0.1, head_noise=0.1)),
-        random=write_mtp_target(d / "random.gguf", MtpModel(residual=1.0, head_noise=1.0, seed=3)),
-        small=write_mtp_target(d / "small.gguf", MtpModel(residual=0.3, head_noise=0.3, logit_scale=0.35),
-                               vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)),
-    )
+def _files(kind: str, d: Path) -> MtpFiles:
+    if kind == "one":
+        return MtpFiles("glm4moe", 1,
+                        agreeing=write_mtp_target(d / "agreeing.gguf", MtpModel(residual=0.1, head_noise=0.1)),
+                        random=write_mtp_target(d / "random.gguf", MtpModel(residual=1.0, head_noise=1.0, seed=3)),
+                        small=write_mtp_target(d / "small.gguf", MtpModel(residual=0.3, head_noise=0.3,
+                                                                          logit_scale=0.35),
+                                               vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)))
+    write, model = write_chained_mtp_target, ChainModel
+    return MtpFiles("hy_v3", model().n_heads_mtp,
+                    agreeing=write(d / "agreeing.gguf", model(residual=0.1, head_noise=0.1)),
+                    random=write(d / "random.gguf", model(residual=1.0, head_noise=1.0, seed=3)),
+                    small=write(d / "small.gguf", model(residual=0.3, head_noise=0.3, logit_scale=0.35),
+                                vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)))
+
+
+@pytest.fixture(scope="module", params=["one", "chained"])
+def mtp_files(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MtpFiles:
+    return _files(request.param, tmp_path_factory.mktemp(f"mtp-{request.param}"))
 
 
 def _engine(path: Path, **kw) -> Engine:
@@ -73,14 +89,19 @@ def random_head(mtp_files: MtpFiles) -> Engine:
 
 def test_the_file_says_it_carries_a_head(mtp_files: MtpFiles) -> None:
     info = validate_gguf(mtp_files.agreeing)
-    assert info.architecture == "glm4moe" and info.nextn_layers == 1 and mtp_heads(info) == 1
-    assert info.summary()["mtp_heads"] == 1
-    assert describe_drafters(info).startswith("MTP heads: 1")
+    n = mtp_files.heads
+    assert info.architecture == mtp_files.architecture and info.nextn_layers == n and mtp_heads(info) == n
+    assert info.summary()["mtp_heads"] == n
+    assert describe_drafters(info).startswith(f"MTP heads: {n}")
+    assert ("chained" in describe_drafters(info)) == (n > 1)
 
 
-def test_the_head_drafts_without_a_draft_model(agreeing: Engine) -> None:
+def test_the_head_drafts_without_a_draft_model(agreeing: Engine, mtp_files: MtpFiles) -> None:
     assert agreeing.mtp and isinstance(agreeing.draft, MtpSequence)
-    assert agreeing.target_model.n_layer_nextn == 1
+    assert agreeing.target_model.n_layer_nextn == mtp_files.heads
+    chained = mtp_files.heads > 1
+    assert isinstance(agreeing.draft, ChainedMtpSequence) == chained
+    assert agreeing.draft.depth_max == (mtp_files.heads if chained else None)
 
 
 def test_no_mtp_loads_the_target_alone(mtp_files: MtpFiles) -> None:
@@ -92,10 +113,13 @@ def test_no_mtp_loads_the_target_alone(mtp_files: MtpFiles) -> None:
 
 
 @pytest.mark.parametrize("which", ["agreeing", "random_head"])
-def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest, mtp_files: MtpFiles) -> None:
+    """sps, auto and tree give ar's tokens; chained heads draft no deeper than they are many (one head a draft
+    position, as llama.cpp caps n_max), a single head as deep as asked."""
     engine: Engine = request.getfixturevalue(which)
     accepted = rejected = 0
     tree = {"drafted": 0, "accepted": 0}
+    deepest = {"sps": 0, "tree": 0.0}
     for prompt in PROMPTS:
         params = GenParams(max_tokens=48, temperature=0.0)
         want = run_to_done(engine, "ar", prompt, params).tokens
@@ -105,10 +129,15 @@ def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest
             if strategy == "sps":
                 accepted += done.stats.accepted
                 rejected += done.stats.drafted - done.stats.accepted
+                deepest["sps"] = max(deepest["sps"], len(done.stats.drafted_per_position))
             elif strategy == "tree":
                 tree["drafted"] += done.stats.drafted
                 tree["accepted"] += done.stats.accepted
+                deepest["tree"] = max(deepest["tree"], float(done.stats.extra["mean_tree_depth"]))
     assert tree["drafted"] > 0, "the tree drafted with the head (its verifying path ran)"
+    assert deepest["sps"] == min(SPS.sps.draft_max, mtp_files.heads if mtp_files.heads > 1 else SPS.sps.draft_max)
+    if mtp_files.heads > 1:
+        assert deepest["tree"] <= mtp_files.heads
     rate = accepted / (accepted + rejected)
     if which == "agreeing":  # the head often agrees: the accepting paths ran (chains of 4, so deep ones fail)
         assert accepted > 50 and rate > 0.4, (accepted, rejected)
@@ -123,18 +152,26 @@ def test_drafted_tokens_are_labelled_mtp(agreeing: Engine) -> None:
     assert sources == {"mtp"}
 
 
+def _mtp_cells(draft: MtpSequence) -> int:
+    """The cells the head's context holds, all its sequences together (the whole cache: one slot here)."""
+    return sum(draft.ctx.pos_max(draft.base + s) + 1 for s in range(draft.n_seq_max))
+
+
 def test_the_heads_cells_follow_the_accepted_text(agreeing: Engine) -> None:
-    """After each request the head holds the context's paired cells and nothing drafted; a second request on
-    another prompt starts from their common prefix, and the target's and the head's cells agree."""
+    """After each request the head holds the context's paired cells and what the last chain drafted, no scratch
+    sequence's (a tree's paths), and back to the paired cells nothing; a second request on another prompt
+    starts from their common prefix, and the target's and the head's cells agree."""
     draft = agreeing.draft
     for prompt in PROMPTS:
-        done = run_to_done(agreeing, "sps", prompt, GenParams(max_tokens=30, temperature=0.0), SPS)
-        assert draft.tokens[:draft.paired] == (list(prompt) + list(done.tokens))[:draft.paired]
-        assert draft.cells() == len(draft.tokens)  # llama.cpp holds exactly what the record says
-        draft.truncate(draft.paired)
-        assert draft.cells() == draft.paired
+        for strategy in ("sps", "tree"):
+            done = run_to_done(agreeing, strategy, prompt, GenParams(max_tokens=30, temperature=0.0), SPS)
+            assert draft.tokens[:draft.paired] == (list(prompt) + list(done.tokens))[:draft.paired]
+            assert draft.cells() == len(draft.tokens)  # llama.cpp holds exactly what the record says
+            assert _mtp_cells(draft) == len(draft.tokens), strategy  # and nothing under another id
+            draft.truncate(draft.paired)
+            assert draft.cells() == draft.paired == _mtp_cells(draft)
     agreeing.slots[0].reset()
-    assert draft.cells() == 0 and agreeing.target.cells() == 0 and not draft.stash.rows
+    assert _mtp_cells(draft) == 0 and agreeing.target.cells() == 0 and not draft.stash.rows
 
 
 @pytest.mark.parametrize("strategy", ["sps", "tree"])

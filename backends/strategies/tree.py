@@ -230,7 +230,8 @@ class TreeSpeculation(StepMachine):
             return cached
 
         def tree_step() -> Iterator[object]:
-            tree, drafted = yield from self._draft_tree(run, min(self.config.depth, run.room() - 1))
+            depth = min(self.config.depth, run.room() - 1, self.draft.depth_max or self.config.depth)
+            tree, drafted = yield from self._draft_tree(run, depth)  # depth_max: chained MTP heads
             v = yield from verify_tree(run, target, tree, self.draft.label, "tree")
             totals["batch_tokens"] += v.nodes + 1
             totals["tree_nodes"] += v.nodes
