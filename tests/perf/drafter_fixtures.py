@@ -9,7 +9,10 @@ EAGLE-3 draft for it, tests/eagle3_factory.py: `llama-server -m
 DIR/eagle3-target.gguf -md DIR/eagle3-draft.gguf --spec-type draft-eagle3`),
 and DIR/dflash-target.gguf + DIR/dflash-draft.gguf (a llama target and a
 DFlash block draft for it, tests/dflash_factory.py: `llama-server -m
-DIR/dflash-target.gguf -md DIR/dflash-draft.gguf --spec-type draft-dflash`).
+DIR/dflash-target.gguf -md DIR/dflash-draft.gguf --spec-type draft-dflash`),
+and DIR/mtp-chain-hy_v3.gguf + DIR/mtp-chain-step35.gguf (targets with 3 chained
+MTP heads, draft k by head k, tests/mtp_chain_factory.py: `llama-server -m
+DIR/mtp-chain-step35.gguf --spec-type draft-mtp`).
 docs/eagle3-protocol.md and docs/dflash-protocol.md have the commands and what they print.
 """
 
@@ -26,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the factories import each other as th
 from drafter_factory import write_mtp_target  # noqa: E402
 from dflash_factory import write_dflash_pair  # noqa: E402
 from eagle3_factory import write_eagle3_pair  # noqa: E402
+from mtp_chain_factory import ARCHITECTURES, ChainModel, write_chained_mtp_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     mtp = out / "mtp-target.gguf"
     write_mtp_target(mtp)
     written.append(mtp)
+
+    for arch in ARCHITECTURES:  # the factory's defaults (3 heads), as tests/test_mtp_chain.py writes them
+        chained = out / f"mtp-chain-{arch}.gguf"
+        write_chained_mtp_target(chained, ChainModel(architecture=arch))
+        written.append(chained)
 
     for p in written:
         print(p)
