@@ -296,7 +296,8 @@ def test_a_try_of_the_draft_drafts_a_chain_whatever_the_estimates_say(tiny, take
         state.since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # stale: due now, at the start, when the draft is synced
         options = StrategyOptions(sps=SpsConfig(draft_max=5, p_min=0.0), auto=AutoConfig(lookup=False))
         prompt = engine.tokenize(TINY_PROMPTS[1])
-        events = list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=32)))
+        # 64 tokens: an answer long enough to afford the draft's catch-up on the prompt (choose.EAGER_SHARE)
+        events = list(engine.strategy("auto", options).generate(prompt, GenParams(max_tokens=64)))
         tries = [e for e in events if isinstance(e, StepEnd) and e.choice == "draft"]
         assert tries and (tries[0].drafted, tries[0].accepted) == (drafted, drafted), tries
         after = [state.draft_by_conf.p(b) for b in range(10)]
@@ -449,7 +450,7 @@ def test_a_draft_that_cannot_pay_even_always_right_is_neither_tried_nor_kept_in_
 def test_the_draft_takes_a_long_prompt_only_where_the_answer_can_repay_it(tiny) -> None:
     """Alone, the draft takes the prompt after the first tokens, so that its tries find it caught up; but a
     long prompt it does not hold, before a short answer, would stall that answer for tries it cannot repay:
-    it then stays behind (generation.EAGER_SHARE). The same prompt before a long answer is taken (the test
+    it then stays behind (choose.EAGER_SHARE). The same prompt before a long answer is taken (the test
     can fail either way). Priced: a plain step 10 ms, a draft decode 2 ms, a caught-up token 0.3 ms
     (CATCH_UP_PRIOR); 5% of 8 tokens' plain time is 4 ms, of 256 tokens' 128 ms."""
     curve = BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16)))
@@ -462,5 +463,25 @@ def test_the_draft_takes_a_long_prompt_only_where_the_answer_can_repay_it(tiny) 
             assert done.reason == "length", done
             held = len(engine.slots[0].draft.tokens)
             assert (held >= len(prompt) - 1) == taken, (max_tokens, held, len(prompt))
+        finally:
+            engine.close()
+
+
+def test_an_early_try_of_the_draft_waits_for_an_answer_that_can_repay_its_catch_up(tiny) -> None:
+    """An early try of the draft catches it up on what it missed, here a 60-token prompt it did not take (a short
+    answer cannot afford it); before a short answer that catch-up is not paid for a try either (on the AMX VM at
+    -t 1, such tries cost 0.33 s each, seven plain steps, and left `auto` at 0.94x `ar`). Before a long answer
+    the draft takes the prompt and is tried. Priced as the test above: a caught-up token 0.3 ms, 60 of them
+    18 ms, against 5% of 7 plain steps (3.5 ms) and of 255 (128 ms). Fails either way."""
+    curve = BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16)))
+    for max_tokens, tried in ((8, False), (256, True)):
+        engine = _engine(tiny, tiny.draft, DeviceCost(curve, 0.2))
+        try:
+            engine.auto_states["greedy"].since["draft"] = 10 * MIN_EXPLORE_INTERVAL  # due now
+            prompt = engine.tokenize(" ".join(TINY_PROMPTS * 10))[:60]
+            done = run_to_done(engine, "auto", prompt, GenParams(max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True))
+            assert done.reason == "length", done
+            assert ("draft" in done.stats.steps_by_choice) == tried, (max_tokens, done.stats.steps_by_choice)
         finally:
             engine.close()

@@ -54,6 +54,16 @@ CHAIN_LAG = 2
 # the catch-up of those steps, not the conversation's (measured alone at 0.8 on the SmolLM2 pair, early tries
 # that caught the draft up on whole conversations cost 0.29 s each, ten plain steps).
 EARLY_LAG = (EARLY_INTERVAL << (EARLY_TRIES - 1)) + CHAIN_LAG
+# Alone, the draft catches up on what it missed (a prompt after the first tokens, or the context before an early
+# try) only where this answer can afford it: that catch-up, priced as a switch (catch_up_seconds), at most
+# EAGER_SHARE of the plain time of the answer still to come, counted over at most ANSWER_HORIZON tokens. A long
+# prompt the draft does not hold (a pasted document, an agent's prefix, a conversation restored with the target's
+# cells alone), or a draft whose prompt decode is dear on this machine (Gemma's Q4_K_M draft without repacked
+# weights, on the AMX VM: 6.8 s for 2,816 tokens, more than its F32 target; the SmolLM2 Q2_K draft at -t 1 there:
+# 0.33 s for a 50-token chat prompt, seven plain steps), would otherwise stall short answers for tries they
+# cannot repay.
+EAGER_SHARE = 0.05
+ANSWER_HORIZON = 256
 # The draft counts as in use (it takes each new prompt alone, .generation) while it was taken within this many
 # steps, or is still to be tried early.
 IN_USE = 64
@@ -186,8 +196,8 @@ class Chooser:
             extra = o.seconds - o.tokens / rate  # seconds it is expected to lose against keeping the rate
             taken = st.taken.get(o.option, 0)
             early = taken < EARLY_TRIES and alone
-            if early and o.option == DRAFT and self.lag() > EARLY_LAG:
-                continue  # until a generation's first steps, where the draft holds the prompt
+            if early and o.option == DRAFT and (self.lag() > EARLY_LAG or not self.catch_up_affordable(t_plain)):
+                continue  # until a generation's first steps, where the draft holds the prompt or can afford it
             if not early:  # a try pays its switch in full; the early tries come once per engine, alone, so
                 extra += o.switch  # what the draft catches up on then is bounded
             interval = explore_interval(self.cfg.explore_budget, extra / t_plain, len(options),
@@ -235,6 +245,11 @@ class Chooser:
             return 0.0
         per_token = self.state.catch_up.get(CATCH_UP_PRIOR * self.costs.t_draft_alone(t_plain))
         return (lag - 1) * per_token * self.costs.batch()[0]  # the batch waits for it, as for a draft decode
+
+    def catch_up_affordable(self, t_plain: float) -> bool:
+        """Whether the draft's catch-up, were it used now, costs at most EAGER_SHARE of this answer's plain time
+        to come (its room, at most ANSWER_HORIZON tokens)."""
+        return self.catch_up_seconds(t_plain) <= EAGER_SHARE * min(self.run.room(), ANSWER_HORIZON) * t_plain
 
     def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
         """The shortest chain, for the record (what it would give) when no length pays."""

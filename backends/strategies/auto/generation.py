@@ -48,14 +48,6 @@ MEMORY_MIN_MATCH = 2
 # The memory's candidate tree holds at most MEMORY_NODES_PER_TOKEN x draft_max nodes (and auto's memory_paths
 # root-to-leaf paths), of which the decision verifies those worth their rows.
 MEMORY_NODES_PER_TOKEN = 2
-# Alone, the draft takes the prompt after the first tokens only where this answer can afford it: its catch-up,
-# priced as a switch (Chooser.catch_up_seconds), at most EAGER_SHARE of the plain time of the answer still to
-# come, counted over at most ANSWER_HORIZON tokens. A long prompt the draft does not hold (a pasted document, an
-# agent's prefix, a conversation restored with the target's cells alone), or a draft whose prompt decode is dear
-# on this machine (Gemma's Q4_K_M draft without repacked weights, on the AMX VM: 6.8 s for 2,816 tokens, more
-# than its F32 target), would otherwise stall the answer after its first tokens for tries it may never repay.
-EAGER_SHARE = 0.05
-ANSWER_HORIZON = 256
 # The first step verifies nothing with the prompt's last token: a chain's rows would delay the first token (its
 # time to first token was 1.25x ar's in process when the first step verified a lookup chain; docs/results.md).
 FIRST_TOKEN = "plain — the first token as soon as plain decoding gives it"
@@ -166,7 +158,7 @@ class Generation:
         run.extra.update(self.stats())
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
                 and len(self.draft.tokens) < len(self.prompt) - 1 and self.chooser.draft_in_use() \
-                and self._prompt_affordable():
+                and self.chooser.catch_up_affordable(self.costs.t_plain()):
             # Alone, the draft takes the prompt now, once the first tokens were handed on (not before them, where
             # it would delay the first token by its own prompt decode), so that its first tries find it caught up:
             # while it is in use or still to be tried early. A draft found not to pay does not (its prompt cost
@@ -178,13 +170,6 @@ class Generation:
             yield from self.draft.syncing(self.prompt[:-1], logits=False)
             if len(self.draft.tokens) - held > 1:  # what a caught-up token costs here, for later catch-ups
                 self.costs.learn(st.catch_up, (time.perf_counter() - t0) / (len(self.draft.tokens) - held))
-
-    def _prompt_affordable(self) -> bool:
-        """Whether the draft's catch-up on the prompt costs at most EAGER_SHARE of this answer's plain time to
-        come (its room, at most ANSWER_HORIZON tokens)."""
-        t_plain = self.costs.t_plain()
-        horizon = min(self.run.room(), ANSWER_HORIZON) * t_plain
-        return self.chooser.catch_up_seconds(t_plain) <= EAGER_SHARE * horizon
 
     def _count(self, choice: Choice) -> None:
         """The exploration schedule's bookkeeping: steps since each option was taken, tries, back-off."""
