@@ -32,13 +32,20 @@ tokenization (llguidance's fast-forward tokens) is proposed as a draft. It is
 verified like any other: the model may spell the same bytes with other
 tokens, which the grammar also allows, so these drafts are very likely, not
 certain.
+
+A thinking model that opens its block itself (Qwen3: the generation prompt
+leaves `<think>` to the model) may think before an answer a grammar holds:
+`opening_grammar` is what it may write first, as llama.cpp's grammar for a
+response format or a required tool call has it (the reasoning block optional
+before the answer, common/chat-auto-parser-generator.cpp), and `Grammar.after`
+continues a grammar past tokens already written under it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence
 
 import llguidance
@@ -130,9 +137,14 @@ class Grammar:
     text: str  # llguidance's grammar
     tokenizer: Any  # llguidance.LLTokenizer
     n_vocab: int
+    prefix: tuple[int, ...] = ()  # tokens already written under it: a Constraint starts past them
 
     def start(self) -> "Constraint":
         return Constraint(self)
+
+    def after(self, tokens: Sequence[int]) -> "Grammar":
+        """This grammar continued past `tokens` (a phase of an answer that another phase began under it)."""
+        return replace(self, prefix=self.prefix + tuple(tokens))
 
 
 def compile_grammar(kind: GrammarKind, source: str | dict, tokenizer: Any, n_vocab: int) -> Grammar:
@@ -142,6 +154,35 @@ def compile_grammar(kind: GrammarKind, source: str | dict, tokenizer: Any, n_voc
     if error and not error.startswith("WARNING"):
         raise GrammarError(f"the {kind.replace('_', ' ')} cannot be compiled: {_first_line(error)}")
     return Grammar(kind, text, tokenizer, n_vocab)
+
+
+# llama.cpp's grammar where the model opens its thinking block itself (common/chat-auto-parser-generator.cpp:
+# 120-125 for a response format, 237/356/475 for tool calls, 134 for the space after the generation prompt):
+# `space ("<think>" until("</think>") "</think>")? space answer`, the reasoning rule optional (:138-155) and
+# `space` json-schema-to-grammar's SPACE_RULE (`| " " | "\n"{1,2} [ \t]{0,20}`, json-schema-to-grammar.cpp:229).
+SPACE = r"/ |\n{1,2}[ \t]{0,20}/"
+ANSWER = "specchat_answer"  # the answer's grammar, by name, in the opening's
+
+
+def opening_grammar(grammar: Grammar, tag: str, tag_tokens: Sequence[int] = ()) -> Grammar:
+    """What a model that opens its thinking block itself may write first where `grammar` holds the answer:
+    the start tag, or the answer, either after a little whitespace (llama.cpp's `space`). After the tag anything
+    may follow: backends.reasoning ends this phase at the tag (a stop string) and thinks freely, and the answer's
+    grammar starts again at the end tag, as llama.cpp's reasoning rule is free text up to the end tag. Where the
+    tag is one control token (`tag_tokens`, Qwen3's own `<think>`), that token is allowed as well as the text."""
+    text = grammar.text.strip()
+    top = json.loads(text) if text.startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    first, *others = top["grammars"]  # the first is the start; specchat's kinds compile to one grammar
+    opener = json.dumps(tag)  # a Lark string is a JSON string
+    if len(tag_tokens) == 1:
+        opener = f"({opener} | <[{tag_tokens[0]}]>)"
+    lark = f"start: SPACE? (opener | @{ANSWER})\nopener: {opener} ANY\nSPACE: {SPACE}\nANY: /(?s:.*)/\n"
+    text = json.dumps({**top, "grammars": [{"name": "opening", "lark_grammar": lark}, {**first, "name": ANSWER},
+                                           *others]})
+    error = llguidance.LLMatcher.validate_grammar(text, grammar.tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot follow a thinking block: {_first_line(error)}")
+    return Grammar(grammar.kind, text, grammar.tokenizer, grammar.n_vocab)
 
 
 class Constraint:
@@ -154,6 +195,8 @@ class Constraint:
         self._m = llguidance.LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         if self._m.is_error():
             raise GrammarError(f"the grammar cannot be used: {_first_line(self._m.get_error())}")
+        if grammar.prefix and not self._m.consume_tokens(list(grammar.prefix)):
+            raise GrammarError(f"the grammar refused the output it continues: {_first_line(self._m.get_error())}")
         self._words = (grammar.n_vocab + 31) // 32
         self._bits = np.zeros(self._words, dtype=np.int32)
         self.masks = 0

@@ -37,8 +37,16 @@ answer phase only, never the thinking, as llama.cpp's lazy grammars start at
 the end tag; where the grammar needs an answer (a JSON schema, a required tool
 call), the turn cannot end inside the thinking (its end-of-generation tokens
 are masked there), as llama.cpp's eager grammar for these spans the thinking
-and the answer. The speculation memory and prompt lookup see the thinking text
-(it quotes the question and repeats itself) like any other.
+and the answer. Where the model opens the block itself (Qwen3's prompt
+leaves `<think>` to it), a budget or a grammar adds a phase before the
+thinking, up to the start tag: the budget counts from the tag wherever the
+model writes it (after text of the answer's too), as llama.cpp's budget
+sampler waits for it (common/reasoning-budget.cpp), and under a grammar that
+phase may open the block or answer at once (backends.grammar.opening_grammar),
+as llama.cpp's grammar has the block optional before the answer
+(common/chat-auto-parser-generator.cpp). The speculation memory and prompt
+lookup see the thinking text (it quotes the question and repeats itself)
+like any other.
 """
 
 from __future__ import annotations
@@ -193,6 +201,11 @@ def merge_stats(a: GenStats, b: GenStats | None, forced: int) -> GenStats:
                    extra={**a.extra, **b.extra})
 
 
+def joined(a: Done, b: Done) -> Done:
+    """Two phases as one: `a`'s tokens, then `b`'s, ending as `b` ends."""
+    return replace(b, stats=merge_stats(a.stats, b.stats, 0), tokens=a.tokens + b.tokens)
+
+
 class Thinking:
     """A strategy whose output a thinking model splits into reasoning and answer (GenParams.reasoning), with
     the thinking ended at GenParams.reasoning_budget tokens. Without a format, the strategy's own machine."""
@@ -217,10 +230,13 @@ class Thinking:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
     @staticmethod
-    def _ended_by_tag(done: Done, tag: str, piece: Callable[[int], bytes]) -> bool:
-        """Whether a phase that stopped at a stop string stopped at `tag` (not at one of the user's)."""
-        text = b"".join(piece(t) for t in done.tokens).decode("utf-8", errors="replace")
-        return text[len(done.text):].startswith(tag)
+    def _after_tag(done: Done, tag: str, piece: Callable[[int], bytes]) -> str | None:
+        """Where a phase stopped at `tag` (a stop string, not one of the user's): the text its last token wrote
+        after the tag (the tokens hold it, the text does not); None where it ended otherwise."""
+        if done.reason != "stop":
+            return None
+        text = b"".join(piece(t) for t in done.tokens).decode("utf-8", errors="replace")[len(done.text):]
+        return text[len(tag):] if text.startswith(tag) else None
 
     def _answer_required(self, params: GenParams) -> bool:
         """Whether the answer's grammar needs an answer (it does not take an empty one: a JSON schema, a required
@@ -280,9 +296,12 @@ class Thinking:
         # What must come before the answer and a grammar would not let the model write (harmony's final header,
         # not whitespace): forced, where a grammar holds the answer.
         header = ""
-        cap = 0
-        if params.grammar is not None and not fmt.opened:
-            # A grammar from the first token: the model cannot open a block, so the answer is all there is.
+        answer = params  # the answer phase's parameters
+        first: Done | None = None  # the phases before the answer's, as one
+        spent = False  # the budget ended the thinking: its end tag is forced
+        tagged = False  # the budget saw the model write the start tag (its tokens): a block, wherever it stands
+        if params.grammar is not None and not fmt.opened and fmt.channels:
+            # harmony under a grammar from the first token: the final channel's header is forced, no analysis.
             splitter.close()
             header = self._unwritten(fmt.after, prompt, piece) if fmt.after.strip() else ""
             if not header:
@@ -290,38 +309,90 @@ class Thinking:
                 yield self._done(prompt, ends[-1], [], None, splitter, carry)
                 return
         else:
+            constrained = params.grammar is not None or params.reasoning_budget is not None
             budget = params.reasoning_budget
-            start_tokens = 0 if fmt.opened else len(self._tokens(fmt.start))
-            cap = params.max_tokens if budget is None else min(params.max_tokens, budget + start_tokens)
-        first: Done | None = None
-        if cap > 0:
-            thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True,
-                               ignore_eos=params.ignore_eos or self._answer_required(params))
-            yield from relay(self.inner.steps(prompt, thinking, should_stop), labelled)
-            first = ends[-1]
-            carried(splitter.push(first.tail))
-            if first.reason == "stop" and self._ended_by_tag(first, fmt.end, piece):
-                carried((splitter.close(), ""))
-                header = fmt.after if params.grammar is not None and fmt.after.strip() else ""
-            elif first.reason != "length" or len(first.tokens) >= params.max_tokens:
-                yield self._done(prompt, first, [], None, splitter, carry)  # the answer's end: eos, a stop, an error
-                return
+            if not fmt.opened and not fmt.channels and constrained:
+                # The model opens the block itself (Qwen3): phases up to its start tag. llama.cpp's budget counts
+                # from the start tag wherever the model writes it, as its tokens (common/reasoning-budget.cpp:
+                # 78-118: idle until the output's tokens end with the tag's own, then one less per token; a tag
+                # spelt otherwise, " <" after a word in SmolLM2's vocabulary, is not seen), and its grammar lets
+                # the block come first, optionally, then the answer (backends.grammar.opening_grammar).
+                from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
+
+                tag = self._tokens(fmt.start)
+                grammar = None if params.grammar is None else opening_grammar(params.grammar, fmt.start, tag)
+                while True:
+                    before = list(first.tokens) if first is not None else []
+                    opening = replace(params, max_tokens=params.max_tokens - len(before),
+                                      stop=(fmt.start, *params.stop), grammar=grammar)
+                    yield from relay(self.inner.steps(prompt + before, opening, should_stop), labelled)
+                    first = ends[-1] if first is None else joined(first, ends[-1])
+                    carried(splitter.push(ends[-1].tail))
+                    rest = self._after_tag(ends[-1], fmt.start, piece)
+                    if rest is None:  # no block: that was the answer (or its end: eos, a stop, the length)
+                        yield self._done(prompt, first, [], None, splitter, carry)
+                        return
+                    carried(splitter.push(fmt.start + rest))  # the tag (and what its last token wrote after it)
+                    tagged = not rest and list(first.tokens[-len(tag):]) == tag
+                    if len(first.tokens) >= params.max_tokens:
+                        yield self._done(prompt, first, [], None, splitter, carry, "length")
+                        return
+                    if tagged or splitter.thinking or grammar is not None:
+                        break  # else: a tag in the answer's text that the budget does not see; on to the next
+                if not tagged:
+                    budget = None  # a block llama.cpp's parser reads but its budget does not see: unbounded
+                if grammar is not None and not splitter.thinking:
+                    # The tag inside the answer (a JSON string): the answer goes on under its grammar, which the
+                    # opening phase began.
+                    answer = replace(params, grammar=grammar.after(first.tokens))
+            if answer is params:
+                before = list(first.tokens) if first is not None else []
+                # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
+                start_tokens = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
+                room = params.max_tokens - len(before)
+                cap = room if budget is None else min(room, budget + start_tokens)
+                if cap > 0:
+                    thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None,
+                                       reasoning_phase=True,
+                                       ignore_eos=params.ignore_eos or self._answer_required(params))
+                    yield from relay(self.inner.steps(prompt + before, thinking, should_stop), labelled)
+                    phase = ends[-1]
+                    first = phase if first is None else joined(first, phase)
+                    carried(splitter.push(phase.tail))
+                    if self._after_tag(phase, fmt.end, piece) is not None:
+                        # The end tag ends the block; one that text of the answer's came before (the block is the
+                        # answer's, as llama.cpp's parser reads it: the optional block must come first) is text.
+                        carried((splitter.close(), "") if splitter.thinking else splitter.push(fmt.end))
+                        header = fmt.after if params.grammar is not None and fmt.after.strip() else ""
+                    elif phase.reason != "length" or len(first.tokens) >= params.max_tokens:
+                        # the answer's end: eos, a stop, an error
+                        yield self._done(prompt, first, [], None, splitter, carry)
+                        return
+                    else:  # the budget, spent inside a block (harmony's analysis not begun yet: none to end)
+                        spent = splitter.thinking or tagged
+                else:
+                    spent = True  # a budget of 0: the block ends as soon as it is open
         forced: list[int] = []
-        if splitter.thinking or header:
-            if splitter.thinking:  # the budget is spent inside the block: its end is forced
+        if spent or header:
+            content = ""
+            if spent:  # the budget is spent inside the block: its end is forced
                 message = params.reasoning_message
                 # The message, then the tag, as llama-server forces them; then what the template writes after the
                 # tag (llama-server leaves that to the model, and a small one may end its answer there, empty).
                 header = message + fmt.end + fmt.after
-                reasoning, _ = splitter.push(message)
-                reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
-                splitter.push(fmt.after)  # nothing to show: whitespace, or harmony's final header
+                if splitter.thinking:
+                    reasoning, _ = splitter.push(message)
+                    reasoning, carry[0] = carry[0] + reasoning + splitter.close(), ""
+                    splitter.push(fmt.after)  # nothing to show: whitespace, or harmony's final header
+                else:  # a block after text of the answer's: what is forced is the answer's text too
+                    reasoning, carry[0] = carry[0], ""
+                    content, carry[1] = carry[1] + splitter.push(header)[1], ""
             else:
                 reasoning, carry[0] = carry[0], ""
                 splitter.push(header)
             forced = self._tokens(header)
-            tokens = [Token(tok, "", "accepted", source="grammar", reasoning=reasoning if i == 0 else "",
-                            channel=CONTENT) for i, tok in enumerate(forced)]
+            tokens = [Token(tok, content if i == 0 else "", "accepted", source="grammar",
+                            reasoning=reasoning if i == 0 else "", channel=CONTENT) for i, tok in enumerate(forced)]
             if prefilled[0]:
                 yield from tokens
             else:
@@ -332,7 +403,7 @@ class Thinking:
         steps = None
         if room >= 1 and not should_stop():
             try:
-                steps = self.inner.steps(head, replace(params, max_tokens=room), should_stop)
+                steps = self.inner.steps(head, replace(answer, max_tokens=room), should_stop)
             except PromptError:  # the context is full
                 steps = None
         if steps is None:
