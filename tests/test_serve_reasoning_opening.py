@@ -96,3 +96,16 @@ def test_without_a_budget_the_thinking_runs_until_the_model_closes_it_or_the_tok
                                                    max_tokens=24)
     assert reasoning and content == "" and finish == "length"
     assert usage.completion_tokens == 24
+
+
+def test_reasoning_format_none_under_a_json_schema_is_the_answer_alone(qwen3: Served) -> None:
+    """reasoning_format "none" shows the output as written; under a grammar llama.cpp leaves the optional block
+    out of it (common/chat-auto-parser-generator.cpp:107, 141), and llama-server answers this request with the
+    JSON alone. The same request with the default format thinks first (the test above), so this fails where
+    "none" kept the optional block: `<think>...</think>` then JSON in `content`."""
+    for stream in (False, True):
+        reasoning, content, _, finish, _ = _answer(qwen3, stream, messages=EXPLAIN, response_format=SCHEMA,
+                                                   extra_body={"reasoning_format": "none",
+                                                               "reasoning_budget_tokens": 8})
+        assert reasoning == "" and finish == "stop", (reasoning, content)
+        assert set(json.loads(content)) == {"tag"}, content

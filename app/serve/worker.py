@@ -298,6 +298,11 @@ class EngineWorker:
                 if fmt is not None and self.tool_format == "harmony" and request.must_call:
                     # The call's header before its grammar, as the final header before response_format's.
                     fmt = replace(fmt, after=forced_header([t.name for t in request.tool_choice.offered(request.tools)]))
+                if fmt is not None and not fmt.opened and not fmt.channels and params.grammar is not None \
+                        and not request.thinking.split:
+                    # reasoning_format "none" under a grammar: llama.cpp's grammar then leaves the optional block
+                    # out (common/chat-auto-parser-generator.cpp:107, 141), so the content is the answer alone.
+                    fmt = None
                 params = replace(params, reasoning=fmt,
                                  reasoning_budget=request.thinking.budget, reasoning_message=request.thinking.message)
             return self.format.encode(text), params
