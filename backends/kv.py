@@ -111,6 +111,10 @@ class KvSequence:
         self.last_row = -1
         self._hi = 1  # local ids that may hold cells are below this
 
+    def max_depth(self, k: int) -> int:
+        """The deepest of `k` positions a chain or a tree's path may be drafted here (`depth_max`)."""
+        return k if self.depth_max is None else min(k, self.depth_max)
+
     @property
     def n_ctx(self) -> int:
         """Positions this sequence may fill (its share of the context)."""

@@ -82,8 +82,7 @@ def draft_chain(run: Run, draft: KvSequence, k_max: int, rule: DraftRule,
     chain = Chain()
     if draft.chain_max is not None:
         k_max = min(k_max, draft.chain_max)
-    if draft.depth_max is not None:  # chained MTP heads: one per position (backends.mtp_chain)
-        k_max = min(k_max, draft.depth_max)
+    k_max = draft.max_depth(k_max)  # chained MTP heads: one per position (backends.mtp_chain)
     params = run.params
     for i in range(k_max):
         logits = run.logits(draft, path=chain.tokens, drafter=True)

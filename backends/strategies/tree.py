@@ -230,8 +230,8 @@ class TreeSpeculation(StepMachine):
             return cached
 
         def tree_step() -> Iterator[object]:
-            depth = min(self.config.depth, run.room() - 1, self.draft.depth_max or self.config.depth)
-            tree, drafted = yield from self._draft_tree(run, depth)  # depth_max: chained MTP heads
+            depth = self.draft.max_depth(min(self.config.depth, run.room() - 1))  # chained MTP heads
+            tree, drafted = yield from self._draft_tree(run, depth)
             v = yield from verify_tree(run, target, tree, self.draft.label, "tree")
             totals["batch_tokens"] += v.nodes + 1
             totals["tree_nodes"] += v.nodes

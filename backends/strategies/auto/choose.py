@@ -145,7 +145,7 @@ class Chooser:
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
                            self._chain_of_one(LOOKUP, accept[0], t_plain, 0.0))
         if self.draft is not None and room > 0:
-            k_max = min(self.cfg.draft_max, room, self.draft.depth_max or room)  # depth_max: chained MTP heads
+            k_max = self.draft.max_depth(min(self.cfg.draft_max, room))  # chained MTP heads
             options.append(self._draft_option(k_max, room, rate, t_plain))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             b, others = costs.batch()
