@@ -120,6 +120,7 @@ class ChatSession:
         self.messages: list[ChatMessage] = []
         self.dropped = 0  # messages of the last prompt left out because the context is full
         self.kept: list[ChatMessage] = []  # the messages of the last prompt (the new one last)
+        self.rendered = ""  # the last prompt's text, as the template rendered it (read again for its reasoning)
         self._text_tokens: dict[str, int] = {}  # tokens of each message's text alone, counted once
         self._overhead = 0.0  # template tokens per message, learned from the last prompt
 
@@ -145,19 +146,20 @@ class ChatSession:
         n_ctx = min(seq.n_ctx for seq in (self.engine.target, self.engine.draft) if seq is not None)
         history, user = self.messages, ChatMessage("user", user_text)
         last = (len(history) + 1) // 2  # dropping this many pairs leaves no history
-        tried: dict[int, list[int]] = {}
+        tried: dict[int, tuple[str, list[int]]] = {}
 
         def fits(k: int) -> bool:  # one real render and tokenization of a prompt about the context's size
             if k not in tried:
-                tried[k] = self._tokens([*history[2 * k:], user], kwargs)
-            return k == last or len(tried[k]) + reserve <= n_ctx
+                text = self.format.render([*history[2 * k:], user], self.system_prompt, kwargs=kwargs)
+                tried[k] = text, self.format.encode(text)
+            return k == last or len(tried[k][1]) + reserve <= n_ctx
 
         def cost(i: int) -> float:
             return self._text_cost(history[i].content) + self._overhead
 
         hint = estimated_cut(cost, len(history), self._text_cost(user_text) + self._overhead, n_ctx - reserve)
         k = first_fitting_cut(fits, hint, last)
-        tokens = tried[k]
+        self.rendered, tokens = tried[k]
         kept = self.kept = [*history[2 * k:], user]
         self._overhead = (len(tokens) - sum(self._text_cost(m.content) for m in kept)) / len(kept)
         self.dropped = min(2 * k, len(history))
@@ -167,9 +169,6 @@ class ChatSession:
         if text not in self._text_tokens:
             self._text_tokens[text] = len(self.engine.target_model.tokenize(text, add_special=False))
         return self._text_tokens[text]
-
-    def _tokens(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, object] | None = None) -> list[int]:
-        return self.format.tokens(messages, self.system_prompt, kwargs=kwargs)
 
     def request_params(self, user_text: str, request: TurnRequest) -> tuple[list[int], GenParams]:
         """The turn's prompt and parameters. A thinking model's prompt is rendered with thinking on or off as
@@ -182,7 +181,8 @@ class ChatSession:
             kwargs = self.format.thinking_kwargs(request.thinking, effort=effort)
         prompt = self.prompt_tokens(user_text, reserve=min(params.max_tokens, ANSWER_ROOM), kwargs=kwargs)
         if kwargs is not None:
-            params = replace(params, reasoning=self.format.reasoning_for(self.kept, self.system_prompt, kwargs=kwargs))
+            params = replace(params, reasoning=self.format.reasoning_for(self.kept, self.system_prompt, kwargs=kwargs,
+                                                                         rendered=self.rendered))
         return prompt, params
 
     def turn(self, user_text: str, request: TurnRequest, should_stop: Callable[[], bool] = never) -> Iterator[Event]:

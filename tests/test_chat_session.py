@@ -256,14 +256,14 @@ def test_cut_equals_the_simple_rule_on_random_conversations(small_context_engine
     assert 0 in cuts and "all" in cuts and len(cuts) > 8, cuts  # the cases cut at many places
 
 
-def test_a_long_conversation_costs_a_few_tokenizations_per_turn(small_context_engines, monkeypatch) -> None:
+def test_a_long_conversation_costs_a_few_renderings_per_turn(small_context_engines, monkeypatch) -> None:
     session = ChatSession(small_context_engines["template"])
     rng = random.Random(3)
     session.reset(random_conversation(rng, 600))
     calls: list[int] = []
-    real_tokens = session.format.tokens
-    monkeypatch.setattr(session.format, "tokens", lambda messages, system="", **kw: calls.append(len(messages))
-                        or real_tokens(messages, system, **kw))
+    real_render = session.format.render
+    monkeypatch.setattr(session.format, "render", lambda messages, system="", **kw: calls.append(len(messages))
+                        or real_render(messages, system, **kw))
     per_turn = []
     for _ in range(20):
         calls.clear()
@@ -274,3 +274,27 @@ def test_a_long_conversation_costs_a_few_tokenizations_per_turn(small_context_en
         per_turn.append(len(calls))
         session.messages += [ChatMessage("user", user_text), ChatMessage("assistant", random_text(rng, 25))]
     assert max(per_turn[1:]) <= 4 and sum(per_turn[1:]) / len(per_turn[1:]) <= 2.5, per_turn
+
+
+def test_a_thinking_turn_renders_its_conversation_once(thinking_models, monkeypatch) -> None:
+    """The prompt's rendering is the one the reasoning format is read from (QwQ's template opens the block in
+    the generation prompt): a turn renders the conversation once with the assistant's turn opened, plus once
+    without it (PromptFormat.generation_prompt), not once more for the reasoning."""
+    engine = Engine(EngineConfig(target=thinking_models.qwq, n_ctx=1024, threads=os.cpu_count()))
+    try:
+        session = ChatSession(engine)
+        assert session.format.reasoning is not None  # found once per model, from a probe of its own
+        renders: list[str] = []
+        real_render_inner = session.format._render
+        monkeypatch.setattr(session.format, "_render", lambda template, *a: renders.append(template)
+                            or real_render_inner(template, *a))
+        request = TurnRequest("ar", GenParams(max_tokens=8), StrategyOptions())
+        for question in ("What is 2 and 2?", "And 3 and 3?"):
+            renders.clear()
+            prompt, params = session.request_params(question, request)
+            assert params.reasoning is not None and params.reasoning.opened  # read from the one rendering
+            assert len(renders) == 2 and renders[0] == session.format.template, renders
+            assert session.format.encode(session.rendered) == prompt
+            session.messages += [ChatMessage("user", question), ChatMessage("assistant", "4", reasoning="2+2")]
+    finally:
+        engine.close()
