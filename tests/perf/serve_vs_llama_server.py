@@ -22,7 +22,8 @@ clients stay busy instead of sending one wave whose slowest request sets the
 end.
 
 A server spec is NAME=FLAGS; a name starting with "llama-server" runs llama-server, any other specchat serve;
-DRAFT in the flags is replaced by the draft file.
+DRAFT in the flags is replaced by the draft file; a word env:KEY=VALUE sets an environment variable of that server
+(e.g. env:PYTHONPATH=DIR to shadow a module).
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ class Server:
                  log_dir: Path) -> None:
         self.name = name
         self.port = _free_port()
-        args = [a.replace("DRAFT", str(draft)) for a in flags.split()]
+        words = [a.replace("DRAFT", str(draft)) for a in flags.split()]
+        extra_env = dict(w[4:].split("=", 1) for w in words if w.startswith("env:"))  # env:KEY=VALUE
+        args = [w for w in words if not w.startswith("env:")]
         if name.startswith("llama-server"):
             cmd = [str(REFERENCE_BIN / "llama-server"), "-m", str(target), "-np", str(parallel),
                    "-c", str(n_ctx * parallel), "-t", str(threads), "--port", str(self.port), "--host", "127.0.0.1",
                    *args]
-            env = {**os.environ, "LD_LIBRARY_PATH": str(REFERENCE_BIN)}
+            env = {**os.environ, "LD_LIBRARY_PATH": str(REFERENCE_BIN), **extra_env}
         else:
             cmd = [sys.executable, "-m", "app", "serve", "-m", str(target), "-md", str(draft), "-np", str(parallel),
                    "-c", str(n_ctx), "-t", str(threads), "--port", str(self.port), *args]
-            env = dict(os.environ)
+            env = {**os.environ, **extra_env}
         self.log = open(log_dir / f"{name.replace(' ', '_')}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parents[2])
