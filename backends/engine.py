@@ -13,9 +13,11 @@ The drafter of a slot's sequences is one of four behind the same seam
 (`KvSequence`): a draft model's own context, the target's MTP head
 (backends.mtp: a target with NextN layers and no -md), an EAGLE-3 draft
 (backends.eagle3: -md of architecture `eagle3`, which reads three of the
-target's layers), or a DFlash / DSpark block draft (backends.dflash: -md of
+target's layers), a DFlash / DSpark block draft (backends.dflash: -md of
 architecture `dflash`, which reads the target's layers into its own cells
-and proposes a whole chain from one decode). `drafter` says which.
+and proposes a whole chain from one decode), or Gemma 4's assistant
+(backends.gemma4_assistant: -md of architecture `gemma4-assistant`, MTP
+blocks that read the target's cells and hold none). `drafter` says which.
 
 KV memory: each slot may fill `n_ctx` positions, so the contexts hold
 `n_ctx x n_parallel` cells (as Ollama's OLLAMA_NUM_PARALLEL multiplies its
@@ -34,6 +36,7 @@ from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.dflash import dflash_lanes
 from backends.eagle3 import eagle3_lanes
+from backends.gemma4_assistant import ASSISTANT_ARCHITECTURE, AssistantSequence, assistant_lanes
 from backends.kv import KvSequence, Lane
 from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
@@ -129,7 +132,7 @@ class Engine:
         # The target's own MTP head drafts when the file has one, its graph runs in llama.cpp and no draft is given.
         want_mtp = config.mtp and config.draft is None and mtp_heads(self.target_info) > 0
         # Who drafts: "draft" (a draft model), "mtp" (the target's own head), "eagle3" (an EAGLE-3 draft), "dflash" (a
-        # DFlash or DSpark block draft), or None.
+        # DFlash or DSpark block draft), "gemma4-assistant" (Gemma 4's assistant file), or None.
         self.drafter: str | None = None
         mtp_drafts: list[KvSequence] = []  # the MTP head's, the EAGLE-3 or the DFlash draft's sequences, one per slot
         per_slot = config.n_ctx
@@ -152,6 +155,10 @@ class Engine:
                     self.draft_lane, mtp_drafts = dflash_lanes(self.target_lane, self.draft_model, ctx_config, ids,
                                                                chunk, n_par, per_slot)
                     self.drafter = "dflash"
+                elif draft_info is not None and draft_info.architecture == ASSISTANT_ARCHITECTURE:
+                    self.draft_lane, mtp_drafts = assistant_lanes(self.target_lane, self.draft_model, ctx_config,
+                                                                  ids, chunk, n_par, per_slot)
+                    self.drafter = ASSISTANT_ARCHITECTURE
                 else:
                     self.draft_lane = Lane(LlamaContext(self.draft_model, ctx_config), ids, chunk)
                     self.drafter = "draft"
@@ -186,6 +193,8 @@ class Engine:
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
             draft = mtp_drafts[i] if mtp_drafts else \
                 KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
+            if isinstance(draft, AssistantSequence):
+                draft.follow(target)  # it reads the target's cells: its record is the target's
             self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
                                    known_cost=self.known_device_cost))
         # Set up at load, not by the first request before its first token: the speculation memory, found by a hash
@@ -256,7 +265,7 @@ class Engine:
         c = self.config
         placement = [c.n_gpu_layers, c.n_gpu_layers_draft, list(c.rpc), self.target.ctx.config.n_ubatch,
                      self.target.batch.capacity]  # the batch size llama.cpp really has
-        if self.drafter in ("mtp", "eagle3", "dflash"):
+        if self.drafter in ("mtp", "eagle3", "dflash", ASSISTANT_ARCHITECTURE):
             placement.append(self.drafter)  # the target's own head, or a draft that reads the target's layers
         return cost_key(c.target, c.draft, c.threads or default_threads(), build_info(), placement)
 

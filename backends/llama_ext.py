@@ -137,12 +137,20 @@ def hidden_rows(ctx: LlamaContext, n_rows: int) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(n_rows, ctx.model.n_embd))
 
 
-def hidden_row(ctx: LlamaContext, row: int) -> np.ndarray:
-    """The hidden row of batch row `row` of the last decode of a masked context (a row that wanted logits)."""
+def hidden_row(ctx: LlamaContext, row: int, width: int | None = None) -> np.ndarray:
+    """The hidden row of batch row `row` of the last decode of a masked context (a row that wanted logits):
+    `width` floats, the model's n_embd unless given (llama.cpp's rows are n_embd_out wide: a Gemma 4 assistant's
+    are the target's width, src/llama-context.cpp:2143)."""
     ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(ctx.ptr, row)
     if not ptr:
         raise DecodeError(f"no hidden row for batch row {row}")
-    return np.ctypeslib.as_array(ptr, shape=(ctx.model.n_embd,))
+    return np.ctypeslib.as_array(ptr, shape=(width or ctx.model.n_embd,))
+
+
+def n_embd_out(model: LlamaModel) -> int:
+    """The width of the model's output rows (llama_model_n_embd_out): its n_embd, or another where the file says
+    (`{arch}.embedding_length_out`: a Gemma 4 assistant's hidden rows are its target's width)."""
+    return int(llama_cpp.llama_model_n_embd_out(model.ptr))
 
 
 class _ExtBatch:

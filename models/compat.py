@@ -59,6 +59,10 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> PairCheck:
         from models.drafters import dflash_problems
 
         problems += dflash_problems(target, draft)
+    if draft.architecture == "gemma4-assistant":
+        from models.drafters import assistant_problems
+
+        problems += assistant_problems(target, draft)
     return PairCheck(tuple(problems))
 
 

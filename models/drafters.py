@@ -9,7 +9,9 @@ propose from a reduced vocabulary mapped back by its `d2t` tensor
 (docs/eagle3-protocol.md); or a DFlash / DSpark block draft (architecture
 `dflash`), which reads any number of the target's layers into its own KV cache
 and proposes a whole chain from one decode of `[last token, <mask> x k]`
-(docs/dflash-protocol.md). llama.cpp 0.3.36 runs MTP heads
+(docs/dflash-protocol.md); or Gemma 4's assistant (architecture
+`gemma4-assistant`, docs/gemma4-assistant.md), MTP blocks in a file of their own
+that read the target's KV cells and hidden rows. llama.cpp 0.3.36 runs MTP heads
 for the architectures whose graph has an MTP form (src/models/*.cpp, those
 whose build_arch_graph handles LLM_GRAPH_TYPE_DECODER_MTP), several of them
 chained for three (`CHAINED_MTP_ARCHITECTURES`); GLM-4 keeps the
@@ -88,6 +90,23 @@ def dflash_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
     return problems
 
 
+def assistant_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
+    """Why a Gemma 4 assistant cannot draft for this target, from the headers (docs/gemma4-assistant.md); [] when it
+    can. It reads the target's token embeddings, hidden rows and KV cells: llama.cpp checks none of it against the
+    target and would read out of bounds (src/models/gemma4-assistant.cpp:103-114)."""
+    problems = []
+    if target.architecture != "gemma4":
+        problems.append(f"a Gemma 4 assistant drafts for a gemma4 target, this one is {target.architecture}")
+    if draft.embedding_length_out is None:
+        problems.append("it names no target hidden size (gemma4-assistant.embedding_length_out)")
+    elif target.embedding_length is not None and draft.embedding_length_out != target.embedding_length:
+        problems.append(f"it reads hidden states of {draft.embedding_length_out}, the target's are "
+                        f"{target.embedding_length}")
+    if draft.vocab_size != target.vocab_size:
+        problems.append(f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}")
+    return problems
+
+
 def describe_drafters(info: GGUFInfo) -> str:
     """One line on the drafters a file carries (or is), for `models info` and the chat app."""
     if info.architecture == "eagle3":
@@ -95,6 +114,9 @@ def describe_drafters(info: GGUFInfo) -> str:
             else f"the target's {info.vocab_size} tokens"
         return (f"EAGLE-3 draft for target layers {list(info.eagle3_layers)}, hidden size {info.eagle3_hidden}, "
                 f"proposing from {vocab}")
+    if info.architecture == "gemma4-assistant":
+        return (f"Gemma 4 assistant (MTP) for a gemma4 target of hidden size {info.embedding_length_out}: "
+                f"{info.nextn_layers or info.block_count} block(s) reading the target's KV cells, drafting with -md")
     if info.architecture == "dflash":
         name = {"dspark": "DSpark", "dflash2": "DFlash2"}.get(info.dflash_kind, "DFlash")
         drafts = info.dflash_block if info.dflash_anchor_first else info.dflash_block - 1

@@ -71,6 +71,9 @@ class GGUFInfo:
     dflash_kind: str = ""
     dflash_anchor_first: bool = False
     dflash_causal: bool = False
+    # The width of the hidden rows a Gemma 4 assistant reads and gives (`{arch}.embedding_length_out`: its
+    # target's hidden size, conversion/gemma.py:950); None where the file does not say.
+    embedding_length_out: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -102,6 +105,8 @@ class GGUFInfo:
             **({"dflash_target_layers": list(self.dflash_layers), "dflash_block_size": self.dflash_block,
                 "dflash_kind": self.dflash_kind, "mask_token_id": self.mask_id,
                 "draft_vocab_size": self.draft_vocab or self.vocab_size} if self.architecture == "dflash" else {}),
+            **({"assistant_target_hidden_size": self.embedding_length_out}
+               if self.architecture == "gemma4-assistant" else {}),
         }
 
 
@@ -207,6 +212,7 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
         eagle3_hidden=meta.get("eagle3.target_hidden_size"),
         draft_vocab=next((t.n_elements for t in header.tensors if t.name == "d2t"), 0),
         **(_dflash_fields(meta, {t.name for t in header.tensors}) if arch == "dflash" else {}),
+        embedding_length_out=meta.get(f"{arch}.embedding_length_out"),
     )
 
 

@@ -1,0 +1,252 @@
+"""Gemma 4's assistant file as the drafter (backends.gemma4_assistant), on real llama.cpp with tiny pairs.
+
+tests/gemma4_factory.py writes a gemma4 target and a gemma4-assistant for it
+whose agreement is tunable: `agreeing` has most drafts accepted, `random`
+few, so both the accepting and the rejecting paths run. Greedy output is
+`ar`'s token for token for sps, auto and tree, alone and under the server's
+scheduler; with sampling, the law of the first two tokens is the target's
+(chi-square at stats_helpers.ALPHA); the assistant writes no cell, reads the
+target's, and the target's cells are its record after every request. A pair
+that does not fit is refused in one line, before llama.cpp sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.config import StrategyOptions, TreeConfig
+from backends.engine import Engine, EngineConfig
+from backends.events import Token
+from backends.gemma4_assistant import AssistantSequence
+from backends.sampling import GenParams
+from backends.strategies.sps import SpsConfig
+from conftest import TINY_VOCAB_WORDS
+from engine_helpers import run_to_done
+from gemma4_factory import Gemma4Pair, write_gemma4_pair
+from gguf_factory import spm_vocab, write_llama_gguf
+from models.compat import check_pair
+from models.drafters import describe_drafters
+from models.errors import ModelError
+from models.gguf_info import validate_gguf
+from stats_helpers import ALPHA, assert_target_law, empirical, target_law
+from test_mtp import PROMPTS, SPS
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: Path
+    assistant: Path
+
+
+@dataclass(frozen=True)
+class Files:
+    agreeing: Pair
+    random: Pair
+    small: Pair  # a 12-token vocabulary, for the chi-square test
+    narrow: Pair  # an assistant built for a target of another width
+    llama: Path  # a target of another architecture
+
+
+def _pair(d: Path, name: str, model: Gemma4Pair, **kw) -> Pair:
+    target, assistant = write_gemma4_pair(d / f"{name}-target.gguf", d / f"{name}-assistant.gguf", model=model, **kw)
+    return Pair(target, assistant)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    d = tmp_path_factory.mktemp("gemma4")
+    return Files(agreeing=_pair(d, "agreeing", Gemma4Pair(residual=0.05, head_noise=0.05)),
+                 random=_pair(d, "random", Gemma4Pair(residual=1.0, head_noise=1.0), seed=3),
+                 small=_pair(d, "small", Gemma4Pair(residual=0.3, head_noise=0.3, logit_scale=0.35),
+                             vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)),
+                 narrow=_pair(d, "narrow", Gemma4Pair(), backbone=48),
+                 llama=write_llama_gguf(d / "llama.gguf"))
+
+
+def _engine(pair: Pair, **kw) -> Engine:
+    return Engine(EngineConfig(target=pair.target, draft=pair.assistant, n_ctx=512, threads=1, cost_cache=Path(""),
+                               memory=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def agreeing(files: Files) -> Engine:
+    engine = _engine(files.agreeing, n_seq_max=16)  # sequence ids for a tree's paths
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def random_pair(files: Files) -> Engine:
+    engine = _engine(files.random, n_seq_max=16)
+    yield engine
+    engine.close()
+
+
+def test_models_say_what_the_assistant_is_and_which_target_it_fits(files: Files) -> None:
+    info = validate_gguf(files.agreeing.assistant)
+    assert info.architecture == "gemma4-assistant" and info.embedding_length_out == 64
+    assert info.summary()["assistant_target_hidden_size"] == 64
+    assert describe_drafters(info).startswith("Gemma 4 assistant (MTP) for a gemma4 target of hidden size 64")
+    target = validate_gguf(files.agreeing.target)
+    assert check_pair(target, info).ok
+    narrow = check_pair(target, validate_gguf(files.narrow.assistant))
+    assert narrow.problems == ("it reads hidden states of 48, the target's are 64",)
+    other = check_pair(validate_gguf(files.llama), info)
+    assert "a Gemma 4 assistant drafts for a gemma4 target, this one is llama" in other.problems
+
+
+@pytest.mark.parametrize("which", ["narrow", "llama"])
+def test_a_mismatched_pair_is_refused_in_one_line(files: Files, which: str) -> None:
+    pair = files.narrow if which == "narrow" else Pair(files.llama, files.agreeing.assistant)
+    with pytest.raises(ModelError) as e:
+        _engine(pair)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"draft {pair.assistant.name} cannot speculate for target")
+    assert ("hidden states of 48" if which == "narrow" else "this one is llama") in line
+
+
+def test_the_assistant_drafts_for_its_target(agreeing: Engine) -> None:
+    assert agreeing.drafter == "gemma4-assistant" and not agreeing.mtp
+    draft = agreeing.draft
+    assert isinstance(draft, AssistantSequence) and draft.label == "mtp"
+    assert draft.ctx is not agreeing.target.ctx and draft.width == agreeing.target_model.n_embd
+
+
+@pytest.mark.parametrize("which", ["agreeing", "random_pair"])
+def test_greedy_output_is_the_targets(which: str, request: pytest.FixtureRequest) -> None:
+    """sps, auto and tree give ar's tokens; every draft row found the target holding context[:-1]."""
+    engine: Engine = request.getfixturevalue(which)
+    accepted = rejected = 0
+    tree = {"drafted": 0, "accepted": 0}
+    for prompt in PROMPTS:
+        params = GenParams(max_tokens=48, temperature=0.0)
+        want = run_to_done(engine, "ar", prompt, params).tokens
+        for strategy in ("sps", "auto", "tree"):
+            done = run_to_done(engine, strategy, prompt, params, SPS)
+            assert done.tokens == want, f"{strategy} on {which} differs from ar"
+            if strategy == "sps":
+                accepted += done.stats.accepted
+                rejected += done.stats.drafted - done.stats.accepted
+            elif strategy == "tree":
+                tree["drafted"] += done.stats.drafted
+                tree["accepted"] += done.stats.accepted
+    assert engine.draft.misaligned == 0
+    assert tree["drafted"] > 0, "the tree drafted with the assistant"
+    rate = accepted / (accepted + rejected)
+    if which == "agreeing":  # the accepting paths ran (chains of 4: deep ones fail)
+        assert accepted > 50 and rate > 0.4, (accepted, rejected)
+        assert tree["accepted"] > 50, tree
+    else:
+        assert rate < 0.2, (accepted, rejected)
+
+
+def test_drafted_tokens_are_labelled_mtp(agreeing: Engine) -> None:
+    events = list(agreeing.strategy("sps", SPS).generate(PROMPTS[0], GenParams(max_tokens=24, temperature=0.0)))
+    sources = {e.source for e in events if isinstance(e, Token) and e.source != "target"}
+    assert sources == {"mtp"}
+
+
+def test_the_assistant_reads_the_targets_cells_and_writes_none(agreeing: Engine) -> None:
+    """A draft row leaves the target's cells as they were, and what it predicts depends on them: the same row
+    (token, hidden state) after two contexts the target holds gives other logits."""
+    target, draft = agreeing.target, agreeing.draft
+    agreeing.slots[0].reset()
+    logits = []
+    for prompt in ([1, 300, 301, 302, 303], [1, 290, 280, 270, 303]):
+        target.sync(prompt[:-1], logits=False)
+        held = target.cells()
+        draft.sync(prompt)
+        assert target.cells() == held == len(prompt) - 1 and draft.cells() == held  # its context answers the target's
+        logits.append(draft.logits().copy())
+        draft.extend([5])  # a drafted token: at the same position, no cell written either
+        assert target.cells() == held
+    assert not np.allclose(logits[0], logits[1])
+    agreeing.slots[0].reset()
+    assert target.cells() == 0 and draft.cells() == 0 and not draft.stash.rows
+
+
+def test_the_targets_cells_return_to_its_record_after_every_request(agreeing: Engine) -> None:
+    """After each request the target holds exactly its record (the prompt and the output less the last token),
+    no scratch sequence a cell past it, and the slot's consistency check (which reads the assistant's context
+    too) passes."""
+    from backends.slot_pool import SlotPool
+
+    pool = SlotPool(agreeing)
+    target = agreeing.target
+    for prompt in PROMPTS:
+        for strategy in ("sps", "tree", "auto"):
+            done = run_to_done(agreeing, strategy, prompt, GenParams(max_tokens=30, temperature=0.0), SPS)
+            assert target.tokens == (list(prompt) + list(done.tokens))[:-1]
+            assert target.cells() == len(target.tokens), strategy
+            assert all(target.ctx.pos_max(target.base + s) < len(target.tokens) for s in range(1, target.n_seq_max))
+            assert pool.consistent(0), strategy
+    agreeing.slots[0].reset()
+    assert target.cells() == 0
+
+
+@pytest.mark.parametrize("strategy", ["sps", "tree"])
+def test_sampling_keeps_the_targets_law(files: Files, strategy: str) -> None:
+    """Chains and trees of the assistant's drafts, rejection-sampled: the first two tokens' law is the target's."""
+    engine = _engine(files.small, n_seq_max=16)
+    try:
+        prompt = [1, 4, 6, 8]
+        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        law = target_law(engine, prompt, params)
+        options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
+        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
+        assert accepted > 100, "the assistant's drafts must be accepted often enough to test the accepting path"
+        assert_target_law(counts, law, alpha=ALPHA)
+    finally:
+        engine.close()
+
+
+def test_auto_prices_the_assistant_with_its_measured_cost(files: Files) -> None:
+    """The device cost's draft share is one assistant decode measured against a target decode (a fraction of it:
+    the assistant's blocks have no keys or values to compute), and `auto` tries the assistant and times its
+    decodes on the draft lane's live curve, seeded from that share."""
+    engine = _engine(files.agreeing, n_seq_max=16)
+    try:
+        engine.target.sync(PROMPTS[0], logits=False)
+        cost = engine.device_cost(k_max=4, remeasure=True)
+        assert cost is not None and 0.0 < cost.draft < 5.0, cost
+        engine.slots[0].reset()
+        done = run_to_done(engine, "auto", PROMPTS[1], GenParams(max_tokens=40, temperature=0.0), SPS)
+        assert done.stats.extra["draft_forwards"] > 0, "auto tried the assistant"
+        assert engine.draft_lane.live.observed > 0, "and timed its decodes"
+    finally:
+        engine.close()
+
+
+def test_a_mixed_batch_with_the_assistant_gives_each_request_its_text_alone(files: Files) -> None:
+    """Four slots decoding together (the server's scheduler), every strategy: at temperature 0 each request
+    gives its text alone (or differs only at a near-tie under llama.cpp's batch noise), the assistant's rows of
+    several sequences share its lane's batches, and no slot keeps cells beyond its record."""
+    from backends.slot_pool import SlotPool
+    from engine_helpers import BATCH_NOISE, divergences_from_alone
+    from test_batching import _collect, _leaks
+
+    strategies = ["ar", "sps", "auto", "tree", "sps", "lookup", "auto", "sps"]
+    options = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0))
+    engine = _engine(files.agreeing, n_seq_max=16, n_parallel=4)
+    alone = Engine(EngineConfig(target=files.agreeing.target, n_ctx=512, threads=1, cost_cache=Path(""),
+                                memory=False))
+    try:
+        assert engine.drafter == "gemma4-assistant"
+        params = GenParams(max_tokens=40, temperature=0.0)
+        prompts = [list(PROMPTS[i % len(PROMPTS)]) + [300 + i] for i in range(len(strategies))]
+        jobs = [(s, p, params) for s, p in zip(strategies, prompts)]
+        got = _collect(SlotPool(engine), jobs, options)
+        divergences = divergences_from_alone(alone, jobs, got)
+        assert all(gap < BATCH_NOISE for _, _, gap in divergences), divergences
+        assert len(divergences) <= 2, divergences
+        rows = sum(1 for ev in got for e in ev if isinstance(e, Token) and e.source == "mtp")
+        assert rows > 20, "the assistant drafted under load"
+        assert not _leaks(engine), _leaks(engine)
+        assert all(slot.draft.misaligned == 0 for slot in engine.slots)
+    finally:
+        engine.close()
+        alone.close()
