@@ -12,7 +12,11 @@ DFlash block draft for it, tests/dflash_factory.py: `llama-server -m
 DIR/dflash-target.gguf -md DIR/dflash-draft.gguf --spec-type draft-dflash`),
 and DIR/mtp-chain-hy_v3.gguf + DIR/mtp-chain-step35.gguf (targets with 3 chained
 MTP heads, draft k by head k, tests/mtp_chain_factory.py: `llama-server -m
-DIR/mtp-chain-step35.gguf --spec-type draft-mtp`).
+DIR/mtp-chain-step35.gguf --spec-type draft-mtp`),
+and DIR/gemma4-target.gguf + DIR/gemma4-assistant.gguf (a Gemma 4 target and
+its MTP "assistant" file, which reads the target's KV cells,
+tests/gemma4_factory.py: `llama-server -m DIR/gemma4-target.gguf -md
+DIR/gemma4-assistant.gguf --spec-type draft-mtp`; docs/gemma4-assistant.md).
 docs/eagle3-protocol.md and docs/dflash-protocol.md have the commands and what they print.
 """
 
@@ -29,13 +33,14 @@ sys.path.insert(0, str(ROOT / "tests"))  # the factories import each other as th
 from drafter_factory import write_mtp_target  # noqa: E402
 from dflash_factory import write_dflash_pair  # noqa: E402
 from eagle3_factory import write_eagle3_pair  # noqa: E402
+from gemma4_factory import write_gemma4_pair  # noqa: E402
 from mtp_chain_factory import ARCHITECTURES, ChainModel, write_chained_mtp_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path, help="folder to write the GGUF files to (made if missing)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the EAGLE-3 and DFlash pairs' random weights")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the EAGLE-3, DFlash and Gemma 4 pairs' random weights")
     args = ap.parse_args(argv)
     out: Path = args.dir
     out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft = out / "dflash-target.gguf", out / "dflash-draft.gguf"
     write_dflash_pair(target, draft, seed=args.seed)
+    written += [target, draft]
+
+    target, draft = out / "gemma4-target.gguf", out / "gemma4-assistant.gguf"
+    write_gemma4_pair(target, draft, seed=args.seed)
     written += [target, draft]
 
     mtp = out / "mtp-target.gguf"

@@ -10,6 +10,7 @@ tokens there as in specchat. For each fixture of tests/perf/drafter_fixtures.py
     mtp-step35    mtp-chain-step35.gguf, 3 chained heads        --spec-type draft-mtp
     eagle3        eagle3-target.gguf -md eagle3-draft.gguf      --spec-type draft-eagle3
     dflash        dflash-target.gguf -md dflash-draft.gguf      --spec-type draft-dflash
+    gemma4        gemma4-target.gguf -md gemma4-assistant.gguf  --spec-type draft-mtp
 
 it starts llama-server with that spec type and `--spec-draft-n-max K
 --spec-draft-p-min 0`, then `specchat serve -m TARGET [-md DRAFT] -s sps
@@ -90,6 +91,7 @@ FIXTURES = (
     Fixture("mtp-step35", "mtp-chain-step35.gguf", None, "draft-mtp"),
     Fixture("eagle3", "eagle3-target.gguf", "eagle3-draft.gguf", "draft-eagle3"),
     Fixture("dflash", "dflash-target.gguf", "dflash-draft.gguf", "draft-dflash"),
+    Fixture("gemma4", "gemma4-target.gguf", "gemma4-assistant.gguf", "draft-mtp"),  # Gemma 4's assistant file
 )
 
 
