@@ -28,6 +28,17 @@ busy spell ends), one that does not keeps it held back, and no ticks
 speculate unchecked in between.
 Ticks that decode a prompt chunk are not counted: they are neither.
 
+Where a batch size has speculating evidence and too little plain evidence
+to judge by (a burst of new clients, a batch size not seen before: plain
+ticks come only every PLAIN_EVERY ticks there), the plain rate is predicted
+from the target lane's live curve (backends.live_cost: `plain_seconds`, the
+seconds of a decode of that many rows), and speculation is held back where
+its ticks deliver less than (1 - PREDICTED_MARGIN) x that. The prediction
+leaves out the host's work per tick, so its margin is wide: it stops a gross
+loss within MIN_SPECULATED ticks (eight clients arriving at once, each
+verifying long memory chains: 0.62x plain over HTTP, docs/results.md), and
+real plain ticks, once there are enough, judge the rest.
+
 The rates are kept for the next process on the same files and machine
 (backends.slot.Learnt, under "realised"; `to_json`, `from_json`), tick
 count and all, so that a new server does not speculate at a batch size where
@@ -39,12 +50,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 # Speculation is held back where its ticks deliver less than (1 - MARGIN) x the plain ticks' rate.
 MARGIN = 0.03
 # Ticks of each kind at a batch size before the rates are compared (decayed counts).
 MIN_SPECULATED = 8.0
 MIN_PLAIN = 4.0
+# A gross loss (speculating ticks at less than GROSS x the plain rate) is judged after MIN_GROSS ticks: a burst
+# of eight clients whose first ticks took five times a plain tick's time and delivered 0.55-0.7x its rate ran
+# nineteen of them before MIN_SPECULATED was reached.
+MIN_GROSS = 2.0
+GROSS = 0.75
 # Per observation of a kind at a batch size: about 1/(1-DECAY) recent ticks count, so a machine that slows
 # down or speeds up (another program starts or stops) is followed within a few dozen ticks.
 DECAY = 0.95
@@ -53,6 +70,9 @@ STALE = 64
 STALE_WEIGHT = 0.25
 # Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
 PLAIN_EVERY = 32
+# Without enough plain ticks at a batch size, speculation is held back where it delivers less than this share
+# below the plain rate the live curve predicts (which leaves out the host's work per tick: a few percent).
+PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
 KEPT_FOR = 7 * 24 * 3600.0
@@ -101,6 +121,8 @@ class Realised:
     plain: dict[int, _Rate] = field(default_factory=dict)
     speculated: dict[int, _Rate] = field(default_factory=dict)
     tick: int = 0
+    # Seconds of a target decode of n rows, from the lane's live curve (the scheduler's); None: no prediction.
+    plain_seconds: Callable[[int], float | None] | None = field(default=None, compare=False, repr=False)
 
     def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One tick at this batch size: did anyone speculate, how many tokens it committed, how long it took."""
@@ -111,11 +133,21 @@ class Realised:
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
-        this batch size lately; None without enough evidence of both."""
+        this batch size lately; with too few plain ticks, at least (1 - PREDICTED_MARGIN) x the rate the live
+        curve predicts for them; None without enough evidence (a gross loss needs less of it)."""
         spec, plain = self.speculated.get(sequences), self.plain.get(sequences)
-        if spec is None or plain is None or spec.count < MIN_SPECULATED or plain.count < MIN_PLAIN:
+        if spec is None or spec.count < MIN_GROSS:
             return None
-        return spec.rate >= (1.0 - MARGIN) * plain.rate
+        if plain is not None and plain.count >= MIN_PLAIN:
+            bar, margin = plain.rate, MARGIN
+        else:
+            predicted = self.plain_seconds(sequences) if self.plain_seconds is not None else None
+            if not predicted or predicted <= 0:
+                return None
+            bar, margin = sequences / predicted, PREDICTED_MARGIN
+        if spec.count < MIN_SPECULATED:  # a few ticks judge a gross loss only
+            return False if spec.rate < GROSS * bar else None
+        return spec.rate >= (1.0 - margin) * bar
 
     def plain_due(self, sequences: int) -> bool:
         """This tick is plain for everyone: speculation has evidence here, plain ticks have none this recent."""

@@ -23,7 +23,8 @@ thrown into every sequence that had rows in it (their strategies end with
 prices its rows against it, since under load a row it adds delays every
 sequence in the batch. Each tick is timed and its committed tokens counted,
 as a speculating or a plain tick of its batch size (backends.realised): what
-speculation delivers here, which bounds `auto`. Given the engine's `Learnt`,
+speculation delivers here, which bounds `auto` (against the plain rate the
+target lane's live curve predicts, where plain ticks are too few to judge by). Given the engine's `Learnt`,
 those rates start from what an earlier process kept on the same files, and
 are kept for the next (backends.slot.Learnt.realised_for).
 """
@@ -40,6 +41,12 @@ from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
 
 if TYPE_CHECKING:
     from backends.slot import Learnt
+
+
+def _decode_seconds(lane: Lane, rows: int) -> float | None:
+    """Seconds of a decode of `rows` rows on `lane`, by its live curve; None beyond it or before it is seeded."""
+    curve = lane.live.curve()
+    return curve.seconds[rows - 1] if curve is not None and 1 <= rows <= len(curve.seconds) else None
 
 
 class _Active:
@@ -66,6 +73,8 @@ class Scheduler:
         self.load = BatchLoad()
         if learnt is not None:  # the realised rates an earlier process kept, and kept from now on
             learnt.realised_for(self.load)
+        if target_lane is not None:  # a plain tick's time as the live curve predicts it (backends.realised)
+            self.load.realised.plain_seconds = lambda rows: _decode_seconds(target_lane, rows)
         self.ticks = 0
         self._tokens = 0  # tokens committed in this tick
         self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk

@@ -266,6 +266,9 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
             assert best_chain_length([0.4], rate, 0.01, flat_gen.costs.relative)[0] == 1, "rows are free: it pays"
         finally:
             flat_engine.close()
+        gen.slot.load = BatchLoad(sequences=1, rows=1, running=4)  # 3 joined since: the first tick of a burst
+        assert gen.costs.batch() == (4, 3)
+        assert gen.costs.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1)), "priced as beside them"
         gen.slot.load = BatchLoad()
         assert gen.costs.relative(2) == alone
     finally:

@@ -14,13 +14,14 @@ from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
 from backends.events import Event, StepEnd
-from backends.realised import KEPT_FOR, MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
+from backends.realised import KEPT_FOR, MIN_GROSS, MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
 from backends.slot import Learnt
 from backends.slot_pool import SlotPool
 from backends.store import JsonStore
 from backends.strategies.auto.state import AutoState
+from backends.strategies.lookup import NgramIndex
 from test_lossless import _copying_prompt
 
 
@@ -34,7 +35,7 @@ def test_speculation_is_held_back_where_its_ticks_deliver_less_than_plain_ones()
     r = Realised()
     assert r.pays(2) is None and r.allows(2), "no evidence: the cost model decides"
     _ticks(r, 20, 2, False, 2, 0.02)  # 100 tok/s plain
-    _ticks(r, 4, 2, True, 3, 0.04)  # 75 tok/s speculating, but too few ticks to judge
+    _ticks(r, 4, 2, True, 3, 0.035)  # 86 tok/s speculating, but too few ticks to judge a loss this small
     assert r.pays(2) is None and r.allows(2)
     _ticks(r, 20, 2, True, 3, 0.04)
     assert r.pays(2) is False
@@ -43,6 +44,30 @@ def test_speculation_is_held_back_where_its_ticks_deliver_less_than_plain_ones()
     _ticks(r, 20, 4, False, 4, 0.02)  # 200 tok/s plain at 4
     _ticks(r, 20, 4, True, 6, 0.02)  # 300 tok/s speculating at 4
     assert r.pays(4) is True and r.allows(4)
+
+
+def test_without_plain_ticks_the_live_curves_prediction_judges_and_a_gross_loss_takes_few_ticks() -> None:
+    """A burst of 8 clients: plain ticks at 8 come only every PLAIN_EVERY ticks, so the speculating ticks are
+    judged against the plain rate the target lane's live curve predicts (8 rows in 0.05 s: 160 tok/s). A loss
+    within the prediction's wide margin is left to real plain ticks; a clear one is held back once there are
+    MIN_SPECULATED ticks of it; a gross one after MIN_GROSS."""
+    r = Realised(plain_seconds=lambda rows: 0.05 if rows == 8 else None)
+    _ticks(r, int(MIN_SPECULATED) + 4, 8, True, 8 * 9, 0.5)  # 144 tok/s: 0.9x the prediction
+    assert r.pays(8) is True and r.allows(8), "within the prediction's margin"
+    r = Realised(plain_seconds=lambda rows: 0.05 if rows == 8 else None)
+    _ticks(r, int(MIN_GROSS) + 1, 8, True, 8 * 12, 0.75)  # 128 tok/s: 0.8x, not gross
+    assert r.pays(8) is None and r.allows(8)
+    _ticks(r, int(MIN_SPECULATED), 8, True, 8 * 12, 0.75)
+    assert r.pays(8) is False and not r.allows(8), "a clear loss, once there is evidence enough"
+    r = Realised(plain_seconds=lambda rows: 0.05 if rows == 8 else None)
+    _ticks(r, int(MIN_GROSS) + 1, 8, True, 20, 0.3)  # 67 tok/s: 0.42x
+    assert r.pays(8) is False and not r.allows(8), "a gross loss after a few ticks"
+    assert r.pays(4) is None, "no prediction at 4 rows: the cost model decides"
+    _ticks(r, 20, 8, False, 8, 0.04)  # real plain ticks at 8: 200 tok/s; they judge from now on
+    r.speculated[8] = type(r.speculated[8])()
+    _ticks(r, int(MIN_SPECULATED) + 2, 8, True, 8 * 2, 0.1)  # 160 tok/s: the prediction's rate, 0.8x the real one
+    assert r.pays(8) is False
+    assert Realised().pays(8) is None and Realised(plain_seconds=lambda rows: None).pays(8) is None
 
 
 def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() -> None:
@@ -139,9 +164,28 @@ def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> No
         losing = Realised()
         _ticks(losing, 20, 1, False, 1, 0.01)
         _ticks(losing, 20, 1, True, 1, 0.02)
-        held, held_tokens = choices(losing)
+        looked_up: list[int] = []
+        propose = NgramIndex.propose_with_match
+        NgramIndex.propose_with_match = lambda self, *a: looked_up.append(1) or propose(self, *a)  # type: ignore
+        try:
+            held, held_tokens = choices(losing)
+        finally:
+            NgramIndex.propose_with_match = propose  # type: ignore[method-assign]
         assert held == {"plain"}, held
         assert held_tokens == tokens
+        assert not looked_up, "held back, a step looks no proposals up"
+    finally:
+        engine.close()
+
+
+def test_the_scheduler_predicts_a_plain_tick_from_the_target_lanes_live_curve(tiny) -> None:
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=4, cost_cache=Path("")))
+    try:
+        pool = SlotPool(engine)
+        predict = pool.scheduler.load.realised.plain_seconds
+        assert predict is not None and predict(2) is None, "an unseeded curve predicts nothing"
+        engine.slots[0].target.lane.live.seed([0.01, 0.012, 0.015])
+        assert predict(2) == pytest.approx(0.012) and predict(4) is None
     finally:
         engine.close()
 

@@ -119,9 +119,13 @@ class CostModel:
 
     def batch(self) -> tuple[int, int]:
         """(B, L): how many sequences the batch this one decodes in holds, and how many rows the others put
-        in it (backends.steps.BatchLoad): (1, 0) alone."""
+        in it (backends.steps.BatchLoad): (1, 0) alone. Sequences that joined since the last batch count
+        with a row each: in the first tick of a burst of clients, the last batch held one or none of them, and
+        every newcomer would price its rows as if alone (eight clients at once, each verifying a long
+        memory chain: ticks of 100-160 rows, 5x a plain tick's time)."""
         load = self.slot.load
-        return max(load.sequences, 1), max(load.rows - self.own_rows, 0)
+        b = max(load.sequences, load.running, 1)
+        return b, max(load.rows - self.own_rows, b - 1)
 
     def draft_ratio(self) -> float:
         """A draft decode of one row against a target decode of one, from the lanes' live curves (as measured

@@ -24,7 +24,7 @@ from backends.pricing import best_chain_speedup, path_reach
 from backends.run import Run
 from backends.sampling import GenParams
 from backends.steps import Decode
-from backends.strategies.auto.choose import CHAIN_LAG, Chooser, DraftPays, Proposals
+from backends.strategies.auto.choose import CHAIN_LAG, HELD_BACK, Chooser, DraftPays, Proposals
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
                                             expected_chain_tokens)
@@ -131,6 +131,9 @@ class Generation:
         first = not run.output
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
+        elif not self.slot.load.realised.allows(self.costs.batch()[0]):  # held back: no proposals to look up
+            self.proposals = Proposals([], 0, CandidateTree())
+            choice = Choice(PLAIN, why=HELD_BACK)
         else:
             if self.index is not None:
                 lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
