@@ -53,15 +53,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
 from backends.errors import PromptError
-from backends.events import Done, Event, GenStats, Prefilled, Token
+from backends.events import Event, Prefilled, Token
 from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter, is_harmony
 from backends.sampling import GenParams
 from backends.splitter import CONTENT, Splitter
 from backends.steps import Steps, relay, run_solo
 from backends.text import rendering
+from backends.thinking_phases import PhaseRun
 
 if TYPE_CHECKING:  # not at run time: app.prompt_format imports this, and `specchat --help` must not load llama.cpp
     from backends.llama import LlamaModel
@@ -174,38 +175,6 @@ def split(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
     return s.reasoning, s.content
 
 
-def merge_stats(a: GenStats, b: GenStats | None, forced: int) -> GenStats:
-    """The stats of an answer made of two phases with `forced` tokens between them (`b` None: one phase, then
-    the forced tokens, if any)."""
-    by_source = dict(a.tokens_by_source)
-    if forced:
-        by_source["grammar"] = by_source.get("grammar", 0) + forced
-    if b is None:
-        return replace(a, generated_tokens=a.generated_tokens + forced, tokens_by_source=by_source)
-
-    def add(x: Sequence[int], y: Sequence[int]) -> tuple[int, ...]:
-        n = max(len(x), len(y))
-        return tuple((x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n))
-
-    def sums(x: dict, y: dict) -> dict:
-        return {k: x.get(k, 0) + y.get(k, 0) for k in {**x, **y}}
-
-    return replace(a, generated_tokens=a.generated_tokens + forced + b.generated_tokens,
-                   decode_seconds=a.decode_seconds + b.prompt_seconds + b.decode_seconds,
-                   target_forwards=a.target_forwards + b.target_forwards, drafted=a.drafted + b.drafted,
-                   accepted=a.accepted + b.accepted,
-                   accepted_per_position=add(a.accepted_per_position, b.accepted_per_position),
-                   drafted_per_position=add(a.drafted_per_position, b.drafted_per_position),
-                   tokens_by_source=sums(by_source, b.tokens_by_source),
-                   steps_by_choice=sums(a.steps_by_choice, b.steps_by_choice),
-                   extra={**a.extra, **b.extra})
-
-
-def joined(a: Done, b: Done) -> Done:
-    """Two phases as one: `a`'s tokens, then `b`'s, ending as `b` ends."""
-    return replace(b, stats=merge_stats(a.stats, b.stats, 0), tokens=a.tokens + b.tokens)
-
-
 class Thinking:
     """A strategy whose output a thinking model splits into reasoning and answer (GenParams.reasoning), with
     the thinking ended at GenParams.reasoning_budget tokens. Without a format, the strategy's own machine."""
@@ -229,15 +198,6 @@ class Thinking:
     def _tokens(self, text: str) -> list[int]:
         return self.model.tokenize(text, add_special=False, parse_special=True)
 
-    @staticmethod
-    def _after_tag(done: Done, tag: str, piece: Callable[[int], bytes]) -> str | None:
-        """Where a phase stopped at `tag` (a stop string, not one of the user's): the text its last token wrote
-        after the tag (the tokens hold it, the text does not); None where it ended otherwise."""
-        if done.reason != "stop":
-            return None
-        text = b"".join(piece(t) for t in done.tokens).decode("utf-8", errors="replace")[len(done.text):]
-        return text[len(tag):] if text.startswith(tag) else None
-
     def _answer_required(self, params: GenParams) -> bool:
         """Whether the answer's grammar needs an answer (it does not take an empty one: a JSON schema, a required
         tool call). Then the turn may not end inside the thinking: llama.cpp's grammar for these is eager
@@ -257,121 +217,104 @@ class Thinking:
     def _phases(self, prompt: list[int], params: GenParams, should_stop: Callable[[], bool]) -> Steps:
         fmt = params.reasoning
         assert fmt is not None
-        splitter = new_splitter(fmt)
         # The tags as the output's text shows them, control tokens included (backends.text.rendering; the
         # strategies' runs render them so too, so that the end tag ends the thinking phase as a stop string).
-        piece = rendering(self.model, fmt.tags)
-        ends: list[Done] = []
-        # Text a phase's Done released with no token to carry it (held back as a stop string's possible start):
-        # handed on with the next token, or in the last Done's tail, so that the pieces still make the whole.
-        carry = ["", ""]  # reasoning, answer
-
-        def carried(pieces: tuple[str, str]) -> None:
-            carry[0] += pieces[0]
-            carry[1] += pieces[1]
-
-        waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
-        prefilled = [False]
-
-        def labelled(event: Event) -> Iterator[Event]:
-            if isinstance(event, Token):
-                if event.kind == "rejected":
-                    yield replace(event, channel=splitter.channel)
-                    return
-                reasoning, content = splitter.push(event.text)
-                reasoning, content = carry[0] + reasoning, carry[1] + content
-                carry[:] = ["", ""]
-                yield replace(event, text=content, reasoning=reasoning, channel=splitter.channel)
-            elif isinstance(event, Done):
-                ends.append(event)
-            elif isinstance(event, Prefilled):
-                if not prefilled[0]:
-                    prefilled[0] = True
-                    yield event
-                    yield from waiting
-                    waiting.clear()
-            else:
-                yield event
-
-        # What must come before the answer and a grammar would not let the model write (harmony's final header,
-        # not whitespace): forced, where a grammar holds the answer.
-        header = ""
-        answer = params  # the answer phase's parameters
-        first: Done | None = None  # the phases before the answer's, as one
-        spent = False  # the budget ended the thinking: its end tag is forced
-        tagged = False  # the budget saw the model write the start tag (its tokens): a block, wherever it stands
+        run = PhaseRun(self.inner, prompt, params, should_stop, new_splitter(fmt), rendering(self.model, fmt.tags))
         if params.grammar is not None and not fmt.opened and fmt.channels:
             # harmony under a grammar from the first token: the final channel's header is forced, no analysis.
-            splitter.close()
-            header = self._unwritten(fmt.after, prompt, piece) if fmt.after.strip() else ""
+            run.splitter.close()
+            header = self._unwritten(fmt.after, prompt, run.piece) if fmt.after.strip() else ""
             if not header:
-                yield from relay(self.inner.steps(prompt, params, should_stop), labelled)
-                yield self._done(prompt, ends[-1], [], None, splitter, carry)
+                yield from relay(self.inner.steps(prompt, params, should_stop), run.labelled)
+                run.first = run.ends[-1]
+                yield run.done([], None)
                 return
-        else:
-            constrained = params.grammar is not None or params.reasoning_budget is not None
-            budget = params.reasoning_budget
-            if not fmt.opened and not fmt.channels and constrained:
-                # The model opens the block itself (Qwen3): phases up to its start tag. llama.cpp's budget counts
-                # from the start tag wherever the model writes it, as its tokens (common/reasoning-budget.cpp:
-                # 78-118: idle until the output's tokens end with the tag's own, then one less per token; a tag
-                # spelt otherwise, " <" after a word in SmolLM2's vocabulary, is not seen), and its grammar lets
-                # the block come first, optionally, then the answer (backends.grammar.opening_grammar).
-                from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
+            yield from self._answer(run, params, False, header)
+            return
+        answer, budget, tagged = params, params.reasoning_budget, False
+        if not fmt.opened and not fmt.channels and (params.grammar is not None or budget is not None):
+            opened = yield from self._opening(run)
+            if opened is None:
+                return
+            tagged, answer = opened
+            if not tagged:
+                budget = None  # a block llama.cpp's parser reads but its budget does not see: unbounded
+        spent, header = False, ""
+        if answer is params:
+            ended = yield from self._thinking(run, budget, tagged)
+            if ended is None:
+                return
+            spent, header = ended
+        yield from self._answer(run, answer, spent, header)
 
-                tag = self._tokens(fmt.start)
-                grammar = None if params.grammar is None else opening_grammar(params.grammar, fmt.start, tag)
-                while True:
-                    before = list(first.tokens) if first is not None else []
-                    opening = replace(params, max_tokens=params.max_tokens - len(before),
-                                      stop=(fmt.start, *params.stop), grammar=grammar)
-                    yield from relay(self.inner.steps(prompt + before, opening, should_stop), labelled)
-                    first = ends[-1] if first is None else joined(first, ends[-1])
-                    carried(splitter.push(ends[-1].tail))
-                    rest = self._after_tag(ends[-1], fmt.start, piece)
-                    if rest is None:  # no block: that was the answer (or its end: eos, a stop, the length)
-                        yield self._done(prompt, first, [], None, splitter, carry)
-                        return
-                    carried(splitter.push(fmt.start + rest))  # the tag (and what its last token wrote after it)
-                    tagged = not rest and list(first.tokens[-len(tag):]) == tag
-                    if len(first.tokens) >= params.max_tokens:
-                        yield self._done(prompt, first, [], None, splitter, carry, "length")
-                        return
-                    if tagged or splitter.thinking or grammar is not None:
-                        break  # else: a tag in the answer's text that the budget does not see; on to the next
-                if not tagged:
-                    budget = None  # a block llama.cpp's parser reads but its budget does not see: unbounded
-                if grammar is not None and not splitter.thinking:
-                    # The tag inside the answer (a JSON string): the answer goes on under its grammar, which the
-                    # opening phase began.
-                    answer = replace(params, grammar=grammar.after(first.tokens))
-            if answer is params:
-                before = list(first.tokens) if first is not None else []
-                # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
-                start_tokens = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
-                room = params.max_tokens - len(before)
-                cap = room if budget is None else min(room, budget + start_tokens)
-                if cap > 0:
-                    thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None,
-                                       reasoning_phase=True,
-                                       ignore_eos=params.ignore_eos or self._answer_required(params))
-                    yield from relay(self.inner.steps(prompt + before, thinking, should_stop), labelled)
-                    phase = ends[-1]
-                    first = phase if first is None else joined(first, phase)
-                    carried(splitter.push(phase.tail))
-                    if self._after_tag(phase, fmt.end, piece) is not None:
-                        # The end tag ends the block; one that text of the answer's came before (the block is the
-                        # answer's, as llama.cpp's parser reads it: the optional block must come first) is text.
-                        carried((splitter.close(), "") if splitter.thinking else splitter.push(fmt.end))
-                        header = fmt.after if params.grammar is not None and fmt.after.strip() else ""
-                    elif phase.reason != "length" or len(first.tokens) >= params.max_tokens:
-                        # the answer's end: eos, a stop, an error
-                        yield self._done(prompt, first, [], None, splitter, carry)
-                        return
-                    else:  # the budget, spent inside a block (harmony's analysis not begun yet: none to end)
-                        spent = splitter.thinking or tagged
-                else:
-                    spent = True  # a budget of 0: the block ends as soon as it is open
+    def _opening(self, run: PhaseRun) -> Generator[Event, object, tuple[bool, GenParams] | None]:
+        """Where the model opens the block itself (Qwen3), under a budget or a grammar: the phases up to its start
+        tag. llama.cpp's budget counts from the start tag wherever the model writes it, as its tokens
+        (common/reasoning-budget.cpp:78-118: idle until the output's tokens end with the tag's own, then one less
+        per token; a tag spelt otherwise, " <" after a word in SmolLM2's vocabulary, is not seen), and its grammar
+        lets the block come first, optionally, then the answer (backends.grammar.opening_grammar). Returns
+        (whether the budget saw the tag, the answer phase's parameters: the grammar continued past a tag inside
+        the answer), or None where the answer ended before a block (its Done handed on)."""
+        from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
+
+        params, fmt, splitter = run.params, run.params.reasoning, run.splitter
+        assert fmt is not None
+        tag = self._tokens(fmt.start)
+        grammar = None if params.grammar is None else opening_grammar(params.grammar, fmt.start, tag)
+        while True:
+            opening = replace(params, max_tokens=params.max_tokens - len(run.written), stop=(fmt.start, *params.stop),
+                              grammar=grammar)
+            phase = yield from run.phase(opening)
+            rest = run.after_tag(phase, fmt.start)
+            if rest is None:  # no block: that was the answer (or its end: eos, a stop, the length)
+                yield run.done([], None)
+                return None
+            run.carried(splitter.push(fmt.start + rest))  # the tag (and what its last token wrote after it)
+            written = run.written
+            tagged = not rest and written[-len(tag):] == tag
+            if len(written) >= params.max_tokens:
+                yield run.done([], None, "length")
+                return None
+            if tagged or splitter.thinking or grammar is not None:
+                break  # else: a tag in the answer's text that the budget does not see; on to the next
+        if grammar is not None and not splitter.thinking:
+            # The tag inside the answer (a JSON string): the answer goes on under its grammar, which the opening
+            # phase began.
+            return tagged, replace(params, grammar=grammar.after(written))
+        return tagged, params
+
+    def _thinking(self, run: PhaseRun, budget: int | None,
+                  tagged: bool) -> Generator[Event, object, tuple[bool, str] | None]:
+        """The thinking: free text (no grammar) up to the end tag, within the budget. Returns (whether the budget
+        was spent inside the block: its end is forced; what a grammar on the answer needs forced before it), or
+        None where the answer ended inside the block (its Done handed on)."""
+        params, fmt, splitter = run.params, run.params.reasoning, run.splitter
+        assert fmt is not None
+        # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
+        start_tokens = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
+        room = params.max_tokens - len(run.written)
+        cap = room if budget is None else min(room, budget + start_tokens)
+        if cap <= 0:
+            return True, ""  # a budget of 0: the block ends as soon as it is open
+        thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True,
+                           ignore_eos=params.ignore_eos or self._answer_required(params))
+        phase = yield from run.phase(thinking)
+        if run.after_tag(phase, fmt.end) is not None:
+            # The end tag ends the block; one that text of the answer's came before (the block is the answer's,
+            # as llama.cpp's parser reads it: the optional block must come first) is text.
+            run.carried((splitter.close(), "") if splitter.thinking else splitter.push(fmt.end))
+            return False, fmt.after if params.grammar is not None and fmt.after.strip() else ""
+        if phase.reason != "length" or len(run.written) >= params.max_tokens:
+            yield run.done([], None)  # the answer's end: eos, a stop, an error
+            return None
+        # The budget, spent: inside a block, its end is forced (harmony's analysis not begun yet: none to end).
+        return splitter.thinking or tagged, ""
+
+    def _answer(self, run: PhaseRun, answer: GenParams, spent: bool, header: str) -> Steps:
+        """What is forced (the budget's end of the block, or the header a grammar would not let the model write:
+        harmony's final header, not whitespace), then the answer's phase under `answer`."""
+        params, fmt, splitter, carry = run.params, run.params.reasoning, run.splitter, run.carry
+        assert fmt is not None
         forced: list[int] = []
         if spent or header:
             content = ""
@@ -391,49 +334,22 @@ class Thinking:
                 reasoning, carry[0] = carry[0], ""
                 splitter.push(header)
             forced = self._tokens(header)
-            tokens = [Token(tok, content if i == 0 else "", "accepted", source="grammar",
-                            reasoning=reasoning if i == 0 else "", channel=CONTENT) for i, tok in enumerate(forced)]
-            if prefilled[0]:
-                yield from tokens
-            else:
-                waiting.extend(tokens)
-        done_so_far = list(first.tokens) if first is not None else []
-        room = params.max_tokens - len(done_so_far) - len(forced)
-        head = prompt + done_so_far + forced
+            yield from run.hand_on([Token(tok, content if i == 0 else "", "accepted", source="grammar",
+                                          reasoning=reasoning if i == 0 else "", channel=CONTENT)
+                                    for i, tok in enumerate(forced)])
+        room = params.max_tokens - len(run.written) - len(forced)
         steps = None
-        if room >= 1 and not should_stop():
+        if room >= 1 and not run.should_stop():
             try:
-                steps = self.inner.steps(head, replace(answer, max_tokens=room), should_stop)
+                steps = self.inner.steps(run.prompt + run.written + forced, replace(answer, max_tokens=room),
+                                         run.should_stop)
             except PromptError:  # the context is full
                 steps = None
         if steps is None:
-            if not prefilled[0]:
-                yield Prefilled(len(prompt), 0.0)
-                yield from waiting
-            yield self._done(prompt, first, forced, None, splitter, carry, "cancelled" if should_stop() else "length")
+            if not run.prefilled:
+                yield Prefilled(len(run.prompt), 0.0)
+                yield from run.waiting
+            yield run.done(forced, None, "cancelled" if run.should_stop() else "length")
             return
-        yield from relay(steps, labelled)
-        yield self._done(prompt, first, forced, ends[-1], splitter, carry)
-
-    def _done(self, prompt: list[int], first: Done | None, forced: list[int], second: Done | None,
-              splitter: Splitter | HarmonySplitter, carry: list[str], reason: str | None = None) -> Done:
-        """One Done for the phases: all their tokens, the answer as text, the reasoning whole."""
-        last = second or first
-        if second is not None:
-            carry[1] += splitter.push(second.tail)[1]
-        carry[1] += splitter.flush()[1]
-        tail = carry[1]
-        if first is not None:
-            stats = merge_stats(first.stats, second.stats if second is not None else None, len(forced))
-        elif second is not None:  # a budget of 0 where the prompt opens the block: no thinking phase ran
-            stats = merge_stats(second.stats, None, len(forced))
-        else:
-            stats = GenStats(strategy=getattr(self.inner, "name", ""), prompt_tokens=len(prompt), prompt_cached=0,
-                             prompt_seconds=0.0, generated_tokens=len(forced), decode_seconds=0.0,
-                             target_forwards=0, drafted=0, accepted=0,
-                             tokens_by_source={"grammar": len(forced)} if forced else {})
-        tokens = (tuple(first.tokens) if first is not None else ()) + tuple(forced) + \
-            (tuple(second.tokens) if second is not None else ())
-        return Done(reason=(reason or (last.reason if last is not None else "length")),  # type: ignore[arg-type]
-                    stats=stats, tokens=tokens, text=splitter.content, tail=tail,
-                    error=last.error if last is not None else None, reasoning=splitter.reasoning)
+        yield from relay(steps, run.labelled)
+        yield run.done(forced, run.ends[-1])
