@@ -46,8 +46,9 @@ def qwq(thinking_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 @pytest.fixture(scope="module")
 def qwen3(thinking_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = start_server(["-m", str(thinking_models.qwen3), "--api-key", API_KEY, "-np", "1", "--temp", "0",
-                           "-n", "32"], tmp_path_factory.mktemp("qwen3") / "server.log")
+    """SmolLM2 with Qwen3's template, and its draft (for `sps`); tests/test_serve_reasoning_opening.py uses it too."""
+    served = start_server(["-m", str(thinking_models.qwen3), "-md", str(thinking_models.draft), "--api-key", API_KEY,
+                           "-np", "1", "--temp", "0", "-n", "32"], tmp_path_factory.mktemp("qwen3") / "server.log")
     yield served
     stop_server(served)
 

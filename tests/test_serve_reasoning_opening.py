@@ -18,23 +18,15 @@ the answer): tests/test_reasoning_opening.py.
 from __future__ import annotations
 
 import json
-from typing import Iterator
 
 import pytest
-from serve_helpers import API_KEY, Served, spec, start_server, stop_server
+from serve_helpers import Served, spec
+from test_serve_reasoning import qwen3  # noqa: F401 - the one Qwen3 server fixture (with the draft, for sps)
 
 TAG = {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 12}}, "required": ["tag"],
        "additionalProperties": False}
 EXPLAIN = [{"role": "user", "content": "Explain (<think>) in one sentence."}]
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "tag", "schema": TAG}}
-
-
-@pytest.fixture(scope="module")
-def qwen3(thinking_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = start_server(["-m", str(thinking_models.qwen3), "-md", str(thinking_models.draft), "--api-key", API_KEY,
-                           "-np", "1", "--temp", "0", "-n", "64"], tmp_path_factory.mktemp("qwen3") / "server.log")
-    yield served
-    stop_server(served)
 
 
 def _reasoning(message: object) -> str:
