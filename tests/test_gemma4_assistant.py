@@ -12,6 +12,9 @@ that does not fit is refused in one line, before llama.cpp sees it.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import pytest
 
 from backends.config import StrategyOptions, TreeConfig
 from backends.engine import Engine, EngineConfig
-from backends.events import Token
+from backends.events import ACCEPTED, REJECTED, Token
 from backends.gemma4_assistant import AssistantSequence
 from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
@@ -250,3 +253,33 @@ def test_a_mixed_batch_with_the_assistant_gives_each_request_its_text_alone(file
     finally:
         engine.close()
         alone.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_runs_the_pair_and_labels_its_drafts_mtp(files: Files) -> None:
+    """`specchat run -m gemma4.gguf -md assistant.gguf --json`: sps, tree and auto give ar's tokens, every drafted
+    token's source is "mtp"; `models info` and `models check` say what the file is and that it fits."""
+    pair = files.agreeing
+    base = ["run", "the cat sat on the mat and", "-m", str(pair.target), "-md", str(pair.assistant), "-t", "1",
+            "--temp", "0", "--json", "--no-memory", "-n", "32"]
+
+    def events(*args: str) -> list[dict]:
+        r = _cli(*base, *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [json.loads(line) for line in r.stdout.splitlines()]
+
+    want = events("-s", "ar")[-1]["tokens"]
+    for strategy in ("sps", "tree", "auto"):
+        got = events("-s", strategy)
+        assert got[-1]["tokens"] == want, strategy
+        drafted = {e["source"] for e in got if e["type"] == "token" and e["kind"] in (ACCEPTED, REJECTED)}
+        assert drafted <= {"mtp"} and (strategy == "auto" or drafted == {"mtp"}), (strategy, drafted)
+    r = _cli("models", "info", str(pair.assistant), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["drafters"].startswith("Gemma 4 assistant (MTP) for")
+    r = _cli("models", "check", str(pair.target), str(pair.assistant))
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("compatible:"), r.stdout
+    r = _cli("models", "check", str(files.narrow.target), str(files.narrow.assistant))
+    assert r.returncode == 1 and "it reads hidden states of 48, the target's are 64" in r.stdout
