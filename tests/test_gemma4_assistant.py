@@ -208,18 +208,24 @@ def test_sampling_keeps_the_targets_law(files: Files, strategy: str) -> None:
 
 
 def test_auto_prices_the_assistant_with_its_measured_cost(files: Files) -> None:
-    """The device cost's draft share is one assistant decode measured against a target decode (a fraction of it:
-    the assistant's blocks have no keys or values to compute), and `auto` tries the assistant and times its
-    decodes on the draft lane's live curve, seeded from that share."""
+    """The device cost's draft share is one assistant decode measured against a target decode, and `auto` prices
+    the assistant from it: the draft lane's live curve (what auto reads a draft decode's cost from) is seeded with
+    that share of the target's curve, then follows the assistant's own decodes."""
+    import math
+
     engine = _engine(files.agreeing, n_seq_max=16)
     try:
         engine.target.sync(PROMPTS[0], logits=False)
         cost = engine.device_cost(k_max=4, remeasure=True)
         assert cost is not None and 0.0 < cost.draft < 5.0, cost
         engine.slots[0].reset()
+        live = engine.draft_lane.live
+        assert not live.seeded
+        want = run_to_done(engine, "ar", PROMPTS[1], GenParams(max_tokens=40, temperature=0.0)).tokens
         done = run_to_done(engine, "auto", PROMPTS[1], GenParams(max_tokens=40, temperature=0.0), SPS)
-        assert done.stats.extra["draft_forwards"] > 0, "auto tried the assistant"
-        assert engine.draft_lane.live.observed > 0, "and timed its decodes"
+        assert done.tokens == want
+        assert live.seeded, "auto priced the assistant from the measured cost"
+        assert abs(math.log(live.seconds(1) / (cost.draft * cost.batch.seconds[0]))) < 1.0
     finally:
         engine.close()
 
