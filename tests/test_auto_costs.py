@@ -266,6 +266,11 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
             assert best_chain_length([0.4], rate, 0.01, flat_gen.costs.relative)[0] == 1, "rows are free: it pays"
         finally:
             flat_engine.close()
+        # The others verify 36 rows: the 4 rows this one's 2 add cost what they cost (the slope, 0.5 x T(1) a
+        # row), against the batch's plain tick T(4) = 1.3, not against the 40-row tick the others made.
+        gen.slot.load = BatchLoad(sequences=4, rows=40)
+        slope = (curve.relative(43) - curve.relative(40)) / 4 if len(curve.seconds) >= 43 else 0.5
+        assert gen.costs.relative(2) == pytest.approx(1 + 4 * slope / 1.3)
         gen.slot.load = BatchLoad(sequences=1, rows=1, running=4)  # 3 joined since: the first tick of a burst
         assert gen.costs.batch() == (4, 3)
         assert gen.costs.relative(2) == pytest.approx(1 + 4 * (1.8 / 1.3 - 1)), "priced as beside them"

@@ -150,7 +150,7 @@ class Chooser:
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             b, others = costs.batch()
             size = self.window.config.batch_size
-            cost = costs.shared(st.lookahead_cost.get(costs.time_relative(size, others)), b, others)
+            cost = costs.shared(st.lookahead_cost.get(costs.time_relative(size, others, b)), b, others)
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
         best = max([plain, *options], key=lambda o: o.value(rate))
         tried = self._try(options, best, rate, t_plain, props)

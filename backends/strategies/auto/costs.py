@@ -181,7 +181,7 @@ class CostModel:
         sequences speculate, and those whose proposals are likeliest.
         """
         b, others = self.batch()
-        return self.shared(self.time_relative(k, others), b, others)
+        return self.shared(self.time_relative(k, others, b), b, others)
 
     @staticmethod
     def shared(time_relative: float, b: int, others: int) -> float:
@@ -190,28 +190,32 @@ class CostModel:
             return time_relative
         return 1.0 + b * (time_relative - 1.0)
 
-    def time_relative(self, k: float, others: int = 0) -> float:
+    def time_relative(self, k: float, others: int = 0, plain_rows: int | None = None) -> float:
         """How much longer the batch takes with k rows of this sequence than with one (alone: T(k)/T(1)), from
-        the measured curve corrected by what verification batches took."""
-        base = self.curve_relative(k, others)
+        the measured curve corrected by what verification batches took (`plain_rows`: curve_relative's)."""
+        base = self.curve_relative(k, others, plain_rows)
         if self.curve is None:
             return base
         return 1.0 + max(self.state.batch_scale.factor(), MIN_CURVE_SCALE) * (base - 1.0)
 
-    def curve_relative(self, k: float, others: int = 0) -> float:
+    def curve_relative(self, k: float, others: int = 0, plain_rows: int | None = None) -> float:
         """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
         never pays).
 
         Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
         measured on a busy machine is made non-decreasing by suffix minima (backends.device_cost.monotone), which
         leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
-        (docs/results.md, "Figures behind design choices")."""
+        (docs/results.md, "Figures behind design choices"). The time the rows add is measured against the tick
+        the batch would take plain (`plain_rows`: one row per sequence), not against one already slowed by the
+        others' proposals: against that, every sequence's rows look cheap once all speculate, and all go on
+        speculating in ticks slower than plain ones deliver (eight clients, each verifying 16-row memory chains:
+        ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps)."""
         if not others:
             return self.curve_at(k)
         lo = others + 1
         hi = max(others + k, lo + LOAD_SLOPE_SPAN)
         slope = (self.curve_at(hi) - self.curve_at(lo)) / (hi - lo)
-        return 1.0 + max(slope, 0.0) * (k - 1) / self.curve_at(lo)
+        return 1.0 + max(slope, 0.0) * (k - 1) / self.curve_at(min(lo, plain_rows or lo))
 
     def curve_at(self, k: float) -> float:
         """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
