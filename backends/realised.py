@@ -32,7 +32,9 @@ Where a batch size has speculating evidence and too little plain evidence
 to judge by (a burst of new clients, a batch size not seen before: plain
 ticks come only every PLAIN_EVERY ticks there), the plain rate is predicted
 from the target lane's live curve (backends.live_cost: `plain_seconds`, the
-seconds of a decode of that many rows), and speculation is held back where
+seconds of a decode of that many rows; scaled by what the plain ticks of the
+nearest batch size with evidence took beyond their decode, the host's work),
+and speculation is held back where
 its ticks deliver less than (1 - PREDICTED_MARGIN) x that. The prediction
 leaves out the host's work per tick, so its margin is wide: it stops a gross
 loss within MIN_SPECULATED ticks (eight clients arriving at once, each
@@ -141,13 +143,27 @@ class Realised:
         if plain is not None and plain.count >= MIN_PLAIN:
             bar, margin = plain.rate, MARGIN
         else:
-            predicted = self.plain_seconds(sequences) if self.plain_seconds is not None else None
-            if not predicted or predicted <= 0:
+            predicted = self._predicted_tick(sequences)
+            if predicted is None:
                 return None
             bar, margin = sequences / predicted, PREDICTED_MARGIN
         if spec.count < MIN_SPECULATED:  # a few ticks judge a gross loss only
             return False if spec.rate < GROSS * bar else None
         return spec.rate >= (1.0 - margin) * bar
+
+    def _predicted_tick(self, sequences: int) -> float | None:
+        """Seconds of a plain tick at this batch size: the live curve's decode, scaled by what plain ticks at the
+        nearest batch size with evidence took against their decode (the host's work per tick: sampling, events,
+        the step machines), which on a fast device is a large share of a tick."""
+        if self.plain_seconds is None or not (decode := self.plain_seconds(sequences)) or decode <= 0:
+            return None
+        known = [b for b, r in self.plain.items() if r.count >= MIN_PLAIN and r.rate > 0]
+        if known:
+            b = min(known, key=lambda b: (abs(b - sequences), b))
+            seen = self.plain_seconds(b)
+            if seen and seen > 0:
+                return decode * max(1.0, b / self.plain[b].rate / seen)  # a plain tick commits one token a sequence
+        return decode
 
     def plain_due(self, sequences: int) -> bool:
         """This tick is plain for everyone: speculation has evidence here, plain ticks have none this recent."""

@@ -68,6 +68,14 @@ def test_without_plain_ticks_the_live_curves_prediction_judges_and_a_gross_loss_
     _ticks(r, int(MIN_SPECULATED) + 2, 8, True, 8 * 2, 0.1)  # 160 tok/s: the prediction's rate, 0.8x the real one
     assert r.pays(8) is False
     assert Realised().pays(8) is None and Realised(plain_seconds=lambda rows: None).pays(8) is None
+    # The host's work: plain ticks of 4 took 0.04 s where the curve predicts decodes of 0.025 s. A plain tick of 8
+    # is then predicted at 0.08 s (100 tok/s), and speculating ticks at 90 tok/s are no loss to hold back.
+    r = Realised(plain_seconds=lambda rows: {4: 0.025, 8: 0.05}.get(rows))
+    _ticks(r, 20, 4, False, 4, 0.04)
+    _ticks(r, int(MIN_SPECULATED) + 2, 8, True, 9, 0.1)
+    assert r.pays(8) is True
+    _ticks(r, 20, 8, True, 7, 0.1)  # 70 tok/s: a loss against the scaled prediction too
+    assert r.pays(8) is False
 
 
 def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() -> None:
