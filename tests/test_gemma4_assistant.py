@@ -31,6 +31,7 @@ from conftest import TINY_VOCAB_WORDS
 from engine_helpers import run_to_done
 from gemma4_factory import Gemma4Pair, write_gemma4_pair
 from gguf_factory import spm_vocab, write_llama_gguf
+from hub_server import hub  # noqa: F401  (a fixture used by name: a data dir of its own, where F6 lists models)
 from models.compat import check_pair
 from models.drafters import describe_drafters
 from models.errors import ModelError
@@ -289,3 +290,55 @@ def test_the_cli_runs_the_pair_and_labels_its_drafts_mtp(files: Files) -> None:
     assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("compatible:"), r.stdout
     r = _cli("models", "check", str(files.narrow.target), str(files.narrow.assistant))
     assert r.returncode == 1 and "it reads hidden states of 48, the target's are 64" in r.stdout
+
+
+def test_f6_lists_the_assistant_as_a_draft_and_offers_it_first_for_its_target(hub, files: Files, tiny,  # noqa: F811
+                                                                             tmp_path) -> None:
+    """The models screen (F6): the assistant is no target of its own ("Gemma 4 assistant draft: pick its
+    target"), and picking its target highlights it first among the drafts, before a model that could only
+    speculate as a draft model; Enter loads the pair and the chat drafts with it, labelled mtp."""
+    import asyncio
+    from dataclasses import replace
+
+    from textual.widgets import OptionList
+
+    from app.tui.models_screen import ModelsScreen
+    from models.store import ModelStore, StoredModel
+    from tui_helpers import app_for, tiny_settings, wait_for, wait_loaded
+
+    store = ModelStore()  # in the hub fixture's data dir: the local models F6 lists
+    store.add(StoredModel("a-gemma4-target", files.agreeing.target))
+    store.add(StoredModel("b-gemma4-assistant", files.agreeing.assistant))
+    store.add(StoredModel("c-narrow-assistant", files.narrow.assistant))
+    settings = replace(tiny_settings(tiny.target, tiny.draft, "sps"), params=GenParams(max_tokens=16, temperature=0))
+
+    async def scenario() -> None:
+        app = app_for(settings, tmp_path)
+        async with app.run_test(size=(160, 40)) as pilot:
+            await wait_loaded(pilot)
+            await pilot.press("f6")
+            screen = app.screen
+            assert isinstance(screen, ModelsScreen)
+            local = screen.query_one("#local", OptionList)
+            rows = {str(local.get_option_at_index(i).prompt): not local.get_option_at_index(i).disabled
+                    for i in range(local.option_count)}
+            row = next(label for label in rows if label.startswith("b-gemma4-assistant "))
+            assert not rows[row] and "Gemma 4 assistant draft: pick its target" in row, row
+            names = [m.name for m in screen.local]
+            local.focus()
+            local.highlighted = names.index("a-gemma4-target")
+            await pilot.press("enter")
+            drafts = screen.query_one("#drafts", OptionList)
+            offered = drafts.get_option_at_index(drafts.highlighted)
+            assert names[int(offered.id)] == "b-gemma4-assistant", offered.prompt
+            assert str(offered.prompt).endswith(" · Gemma 4 assistant"), offered.prompt
+            narrow = next(str(drafts.get_option_at_index(i).prompt) for i in range(drafts.option_count)
+                          if str(drafts.get_option_at_index(i).prompt).startswith("c-narrow-assistant"))
+            assert "—" in narrow, f"a mismatched assistant is listed with its reason: {narrow}"
+            await pilot.press("enter")
+            chat = app.chat
+            await wait_for(pilot, lambda: chat.engine is not None and not chat.loading and chat.session is not None,
+                           "the picked pair")
+            assert chat.engine.draft is not None and chat.engine.draft.label == "mtp"
+
+    asyncio.run(scenario())

@@ -32,6 +32,9 @@ from models.local import LocalModel, local_models
 from models.resolve import hub_models
 
 NO_DRAFT = "\0no-draft"  # the drafts list's first row: chat with the target alone
+# Drafters made for one target's layers (they read its hidden states or its cells), by architecture: listed as
+# drafts only, and first among a target's drafts.
+_OWN_DRAFTERS = {"eagle3": "EAGLE-3", "dflash": "DFlash", "gemma4-assistant": "Gemma 4 assistant"}
 
 
 class PullProgress(Message):
@@ -102,8 +105,8 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         for i, m in enumerate(self.local):
             if m.info is None:
                 options.add_option(Option(f"{m.name} · unusable: {m.problem}", id=str(i), disabled=True))
-            elif m.info.architecture in ("eagle3", "dflash"):  # a draft only: it runs beside the target it reads
-                kind = "EAGLE-3" if m.info.architecture == "eagle3" else "DFlash"
+            elif m.info.architecture in _OWN_DRAFTERS:  # a draft only: it runs beside the target it reads
+                kind = _OWN_DRAFTERS[m.info.architecture]
                 options.add_option(Option(f"{m.name} · {format_size(m.info.size_bytes)} · {kind} draft: pick its "
                                           "target, then it", id=str(i), disabled=True))
             else:
@@ -159,9 +162,9 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 continue
             verdict = check_pair(target.info, m.info)
             label = f"{m.name} · {format_size(m.info.size_bytes)} {m.info.quantization or ''}" \
-                + {"eagle3": " · EAGLE-3", "dflash": " · DFlash"}.get(m.info.architecture, "")
+                + (f" · {_OWN_DRAFTERS[m.info.architecture]}" if m.info.architecture in _OWN_DRAFTERS else "")
             if verdict.ok:
-                (own if m.info.architecture in ("eagle3", "dflash") else others).append(drafts.option_count)
+                (own if m.info.architecture in _OWN_DRAFTERS else others).append(drafts.option_count)
                 drafts.add_option(Option(label, id=str(i)))
             else:
                 drafts.add_option(Option(f"{label} — {verdict.problems[0]}", id=str(i), disabled=True))
