@@ -44,7 +44,10 @@ model writes it (after text of the answer's too), as llama.cpp's budget
 sampler waits for it (common/reasoning-budget.cpp), and under a grammar that
 phase may open the block or answer at once (backends.grammar.opening_grammar),
 as llama.cpp's grammar has the block optional before the answer
-(common/chat-auto-parser-generator.cpp). The speculation memory and prompt
+(common/chat-auto-parser-generator.cpp). Under a budget, each block gets
+one of its own: a start tag after the block has ended opens a new count, as
+llama.cpp's budget goes back to counting there (reasoning-budget.cpp:147-160),
+so the answer phase too runs up to a start tag (where no grammar holds it). The speculation memory and prompt
 lookup see the thinking text (it quotes the question and repeats itself)
 like any other.
 """
@@ -56,15 +59,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
 from backends.errors import PromptError
-from backends.events import Event, Prefilled, Token
+from backends.events import Event, Token
 from backends.harmony import ANALYSIS, END, FINAL, HarmonySplitter, is_harmony
 from backends.sampling import GenParams
 from backends.splitter import CONTENT, Splitter
-from backends.steps import Steps, relay, run_solo
+from backends.steps import Steps, run_solo
 from backends.text import rendering
 from backends.thinking_phases import PhaseRun
 
 if TYPE_CHECKING:  # not at run time: app.prompt_format imports this, and `specchat --help` must not load llama.cpp
+    from backends.grammar import Grammar
     from backends.llama import LlamaModel
     from backends.strategies.base import Strategy
 
@@ -225,15 +229,19 @@ class Thinking:
             run.splitter.close()
             header = self._unwritten(fmt.after, prompt, run.piece) if fmt.after.strip() else ""
             if not header:
-                yield from relay(self.inner.steps(prompt, params, should_stop), run.labelled)
+                yield from run.relay(self.inner.steps(prompt, params, should_stop))
                 run.first = run.ends[-1]
                 yield run.done([], None)
                 return
-            yield from self._answer(run, params, False, header)
+            yield from self._answer(run, params, (yield from self._end(run, False, header)))
             return
         answer, budget, tagged = params, params.reasoning_budget, False
         if not fmt.opened and not fmt.channels and (params.grammar is not None or budget is not None):
-            opened = yield from self._opening(run)
+            from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
+
+            grammar = None if params.grammar is None else \
+                opening_grammar(params.grammar, fmt.start, self._tokens(fmt.start))
+            opened = yield from self._opening(run, grammar)
             if opened is None:
                 return
             tagged, answer = opened
@@ -241,30 +249,48 @@ class Thinking:
                 budget = None  # a block llama.cpp's parser reads but its budget does not see: unbounded
         spent, header = False, ""
         if answer is params:
-            ended = yield from self._thinking(run, budget, tagged)
+            # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
+            counted = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
+            ended = yield from self._thinking(run, budget, tagged, counted)
             if ended is None:
                 return
             spent, header = ended
-        yield from self._answer(run, answer, spent, header)
+        forced = yield from self._end(run, spent, header)
+        while params.reasoning_budget is not None and answer.grammar is None:
+            # A start tag after the block has ended opens a block with a budget of its own: llama.cpp's budget
+            # goes back to counting there (common/reasoning-budget.cpp:147-160, "some models emit multiple <think>
+            # blocks per response"). So the answer runs up to the next start tag, as the opening phase does.
+            run.add_forced(forced)
+            again = yield from self._opening(run, None)
+            if again is None:
+                return
+            tagged = again[0]
+            ended = yield from self._thinking(run, params.reasoning_budget if tagged else None, tagged)
+            if ended is None:
+                return
+            forced = yield from self._end(run, *ended)
+        yield from self._answer(run, answer, forced)
 
-    def _opening(self, run: PhaseRun) -> Generator[Event, object, tuple[bool, GenParams] | None]:
+    def _opening(self, run: PhaseRun,
+                 grammar: "Grammar | None") -> Generator[Event, object, tuple[bool, GenParams] | None]:
         """Where the model opens the block itself (Qwen3), under a budget or a grammar: the phases up to its start
         tag. llama.cpp's budget counts from the start tag wherever the model writes it, as its tokens
         (common/reasoning-budget.cpp:78-118: idle until the output's tokens end with the tag's own, then one less
         per token; a tag spelt otherwise, " <" after a word in SmolLM2's vocabulary, is not seen), and its grammar
-        lets the block come first, optionally, then the answer (backends.grammar.opening_grammar). Returns
-        (whether the budget saw the tag, the answer phase's parameters: the grammar continued past a tag inside
-        the answer), or None where the answer ended before a block (its Done handed on)."""
-        from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
-
+        lets the block come first, optionally, then the answer (`grammar`, backends.grammar.opening_grammar).
+        After a block, the answer up to the next one. Returns (whether the budget saw the tag, the answer phase's
+        parameters: the grammar continued past a tag inside the answer), or None where the answer ended before a
+        block (its Done handed on)."""
         params, fmt, splitter = run.params, run.params.reasoning, run.splitter
         assert fmt is not None
         tag = self._tokens(fmt.start)
-        grammar = None if params.grammar is None else opening_grammar(params.grammar, fmt.start, tag)
         while True:
-            opening = replace(params, max_tokens=params.max_tokens - len(run.written), stop=(fmt.start, *params.stop),
-                              grammar=grammar)
-            phase = yield from run.phase(opening)
+            steps = run.start(replace(params, stop=(fmt.start, *params.stop), grammar=grammar))
+            if steps is None:
+                yield from run.cut_short()
+                return None
+            yield from run.relay(steps)
+            phase = run.ended()
             rest = run.after_tag(phase, fmt.start)
             if rest is None:  # no block: that was the answer (or its end: eos, a stop, the length)
                 yield run.done([], None)
@@ -283,17 +309,16 @@ class Thinking:
             return tagged, replace(params, grammar=grammar.after(written))
         return tagged, params
 
-    def _thinking(self, run: PhaseRun, budget: int | None,
-                  tagged: bool) -> Generator[Event, object, tuple[bool, str] | None]:
-        """The thinking: free text (no grammar) up to the end tag, within the budget. Returns (whether the budget
-        was spent inside the block: its end is forced; what a grammar on the answer needs forced before it), or
-        None where the answer ended inside the block (its Done handed on)."""
+    def _thinking(self, run: PhaseRun, budget: int | None, tagged: bool,
+                  counted: int = 0) -> Generator[Event, object, tuple[bool, str] | None]:
+        """The thinking: free text (no grammar) up to the end tag, within the budget (and `counted` tokens the
+        phase writes before the block). Returns (whether the budget was spent inside the block: its end is forced;
+        what a grammar on the answer needs forced before it), or None where the answer ended inside the block (its
+        Done handed on)."""
         params, fmt, splitter = run.params, run.params.reasoning, run.splitter
         assert fmt is not None
-        # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
-        start_tokens = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
         room = params.max_tokens - len(run.written)
-        cap = room if budget is None else min(room, budget + start_tokens)
+        cap = room if budget is None else min(room, budget + counted)
         if cap <= 0:
             return True, ""  # a budget of 0: the block ends as soon as it is open
         thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True,
@@ -310,9 +335,9 @@ class Thinking:
         # The budget, spent: inside a block, its end is forced (harmony's analysis not begun yet: none to end).
         return splitter.thinking or tagged, ""
 
-    def _answer(self, run: PhaseRun, answer: GenParams, spent: bool, header: str) -> Steps:
-        """What is forced (the budget's end of the block, or the header a grammar would not let the model write:
-        harmony's final header, not whitespace), then the answer's phase under `answer`."""
+    def _end(self, run: PhaseRun, spent: bool, header: str) -> Generator[Event, object, list[int]]:
+        """What is forced after a block: the budget's end of it, or the header a grammar would not let the model
+        write (harmony's final header, not whitespace); handed on, and returned."""
         params, fmt, splitter, carry = run.params, run.params.reasoning, run.splitter, run.carry
         assert fmt is not None
         forced: list[int] = []
@@ -337,7 +362,11 @@ class Thinking:
             yield from run.hand_on([Token(tok, content if i == 0 else "", "accepted", source="grammar",
                                           reasoning=reasoning if i == 0 else "", channel=CONTENT)
                                     for i, tok in enumerate(forced)])
-        room = params.max_tokens - len(run.written) - len(forced)
+        return forced
+
+    def _answer(self, run: PhaseRun, answer: GenParams, forced: list[int]) -> Steps:
+        """The answer's phase under `answer`, after the `forced` tokens."""
+        room = run.params.max_tokens - len(run.written) - len(forced)
         steps = None
         if room >= 1 and not run.should_stop():
             try:
@@ -346,10 +375,7 @@ class Thinking:
             except PromptError:  # the context is full
                 steps = None
         if steps is None:
-            if not run.prefilled:
-                yield Prefilled(len(run.prompt), 0.0)
-                yield from run.waiting
-            yield run.done(forced, None, "cancelled" if run.should_stop() else "length")
+            yield from run.cut_short(forced)
             return
-        yield from relay(steps, run.labelled)
+        yield from run.relay(steps)
         yield run.done(forced, run.ends[-1])

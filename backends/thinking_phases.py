@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
+from backends.errors import PromptError
 from backends.events import Done, Event, GenStats, Prefilled, Token
 from backends.sampling import GenParams
-from backends.steps import relay
+from backends.steps import Steps, relay
 
 if TYPE_CHECKING:
     from backends.harmony import HarmonySplitter
@@ -76,11 +77,41 @@ class PhaseRun:
         self.waiting: list[Token] = []  # forced tokens to hand on once the answer's phase says its prompt is in
         self.prefilled = False
         self.first: Done | None = None  # the phases before the answer's, as one
+        self.lead: list[int] = []  # tokens forced before any phase ran (a budget of 0 in a block the prompt opened)
 
     @property
     def written(self) -> list[int]:
         """The tokens the phases so far wrote (forced ones between them included)."""
-        return list(self.first.tokens) if self.first is not None else []
+        return list(self.first.tokens) if self.first is not None else list(self.lead)
+
+    def add_forced(self, tokens: list[int]) -> None:
+        """Forced tokens (handed on already) as part of the phases so far, as the grammar's."""
+        if self.first is None:
+            self.lead += tokens
+        elif tokens:
+            self.first = replace(self.first, tokens=self.first.tokens + tuple(tokens),
+                                 stats=merge_stats(self.first.stats, None, len(tokens)))
+
+    def start(self, params: GenParams) -> Steps | None:
+        """The strategy's machine for the next phase, up to the tokens left; None where none can run (no token
+        left, cancelled, the context full)."""
+        room = self.params.max_tokens - len(self.written)
+        if room < 1 or self.should_stop():
+            return None
+        try:
+            return self.inner.steps(self.prompt + self.written,
+                                    replace(params, max_tokens=min(room, params.max_tokens)), self.should_stop)
+        except PromptError:  # the context is full: after what the phases wrote, the answer's end
+            if not self.written:
+                raise
+            return None
+
+    def cut_short(self, forced: Sequence[int] = ()) -> Iterator[Event]:
+        """The end where no phase could run (see `start`): the answer's Done, Prefilled first if none was sent."""
+        if not self.prefilled:
+            yield Prefilled(len(self.prompt), 0.0)
+            yield from self.waiting
+        yield self.done(list(forced), None, "cancelled" if self.should_stop() else "length")
 
     def carried(self, pieces: tuple[str, str]) -> None:
         self.carry[0] += pieces[0]
@@ -110,9 +141,19 @@ class PhaseRun:
     def phase(self, params: GenParams) -> Generator[Event, object, Done]:
         """A phase before the answer's: the strategy's generation after the prompt and what the phases so far
         wrote, joined to them; the text its Done released goes to the splitter. Returns its Done."""
-        yield from relay(self.inner.steps(self.prompt + self.written, params, self.should_stop), self.labelled)
-        done = self.ends[-1]
-        self.first = done if self.first is None else joined(self.first, done)
+        yield from self.relay(self.inner.steps(self.prompt + self.written, params, self.should_stop))
+        return self.ended()
+
+    def relay(self, steps: Steps) -> Steps:
+        return relay(steps, self.labelled)
+
+    def ended(self) -> Done:
+        """The phase just run (its Done returned), joined to those before it (see `phase`)."""
+        done = whole = self.ends[-1]
+        if self.first is None and self.lead:
+            whole = replace(done, tokens=tuple(self.lead) + done.tokens,
+                            stats=merge_stats(done.stats, None, len(self.lead)))
+        self.first = whole if self.first is None else joined(self.first, done)
         self.carried(self.splitter.push(done.tail))
         return done
 
@@ -134,6 +175,8 @@ class PhaseRun:
     def done(self, forced: list[int], second: Done | None, reason: str | None = None) -> Done:
         """One Done for the phases: all their tokens, the answer as text, the reasoning whole."""
         first, splitter, carry = self.first, self.splitter, self.carry
+        if first is None:
+            forced = self.lead + forced
         last = second or first
         if second is not None:
             carry[1] += splitter.push(second.tail)[1]

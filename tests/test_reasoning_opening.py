@@ -257,7 +257,7 @@ def test_a_tag_spelt_with_other_tokens_is_not_the_budgets() -> None:
     _, done, writer = _generate(_writes(text, "Answer."),
                                 GenParams(max_tokens=96, reasoning=QWEN3, reasoning_budget=3), space_lt=True)
     assert done.text == "The <think> tag marks a thought.\n<think>\nab</think>\n\nAnswer." and done.reasoning == ""
-    assert [p.stop[:1] for p in writer.phases] == [("<think>",), ("<think>",), ("</think>",), ()]
+    assert [p.stop[:1] for p in writer.phases] == [("<think>",), ("<think>",), ("</think>",), ("<think>",)]
     _, done, _ = _generate(_writes(text, "Answer."), GenParams(max_tokens=96, reasoning=QWEN3, reasoning_budget=3))
     assert done.text == "The <think> ta</think>\n\nAnswer." and done.reasoning == ""
 
@@ -267,6 +267,43 @@ def test_a_model_that_never_opens_the_block_is_one_phase_and_the_budget_cuts_not
                                 GenParams(max_tokens=64, reasoning=QWEN3, reasoning_budget=2))
     assert (done.reasoning, done.text, done.reason, len(writer.phases)) == \
         ("", "Seventeen times three is fifty-one, as I count it.", "eos", 1)
+
+
+# -- a second block gets a budget of its own ---------------------------------------------------------------------------
+
+QWQ = ReasoningFormat("<think>", "</think>", opened=True, after="\n\n")  # the prompt opens the block
+
+
+def _rethinks(*parts: str) -> Callable[[str], str]:
+    """A model that writes `parts[0]`, and after each `</think>\n\n` (forced or its own) the next part."""
+    def wants(so_far: str) -> str:
+        k = so_far.count("</think>\n\n")
+        return so_far[:so_far.rfind("</think>\n\n") + len("</think>\n\n")] * (k > 0) + parts[min(k, len(parts) - 1)]
+    return wants
+
+
+def test_a_start_tag_after_the_block_gets_a_fresh_budget() -> None:
+    """After the block ends (the budget forced its end, or the model closed it), a `<think>` opens a block that
+    the budget counts again from its tag: llama.cpp's budget goes back to counting there (common/
+    reasoning-budget.cpp:147-160). The first block is the reasoning; the second, after text, is the answer's
+    (llama.cpp's parser: one optional block, first), its forced end too. Where the model opens the block itself
+    and where the prompt opens it."""
+    for fmt, first in ((QWEN3, "<think>\nabcdefgh"), (QWQ, "\nabcdefgh")):
+        _, done, writer = _generate(_rethinks(first, "Then <think>\nwxyzwxyz", "Answer."),
+                                    GenParams(max_tokens=96, reasoning=fmt, reasoning_budget=3))
+        assert (done.reasoning, done.text, done.reason) == ("ab", "Then <think>\nwx</think>\n\nAnswer.", "eos"), fmt
+        assert [p.max_tokens for p in writer.phases if p.reasoning_phase] == [3, 3]
+    _, done, _ = _generate(_rethinks("<think>\nok</think>\n\n", "Well: <think>\n" + "wxyz" * 5, "Answer."),
+                           GenParams(max_tokens=96, reasoning=QWEN3, reasoning_budget=12))
+    assert (done.reasoning, done.text) == ("ok", "Well: <think>\nwxyzwxyzwxy</think>\n\nAnswer.")
+
+
+def test_without_a_budget_a_second_block_is_the_answers_text() -> None:
+    """No budget, no grammar: llama.cpp runs no budget sampler (common/sampling.cpp:311), so nothing ends a second
+    block; the answer is one phase after the thinking."""
+    _, done, writer = _generate(_rethinks("\nab</think>\n\n", "Then <think>\nwxyz", "Answer."),
+                                GenParams(max_tokens=96, reasoning=QWQ))
+    assert (done.reasoning, done.text, len(writer.phases)) == ("ab", "Then <think>\nwxyz", 2)
 
 
 # -- the grammar itself --------------------------------------------------------------------------------------------
