@@ -32,14 +32,15 @@ Where a batch size has speculating evidence and too little plain evidence
 to judge by (a burst of new clients, a batch size not seen before: plain
 ticks come only every PLAIN_EVERY ticks there), the plain rate is predicted
 from the target lane's live curve (backends.live_cost: `plain_seconds`, the
-seconds of a decode of that many rows; scaled by what the plain ticks of the
-nearest batch size with evidence took beyond their decode, the host's work),
-and speculation is held back where
-its ticks deliver less than (1 - PREDICTED_MARGIN) x that. The prediction
-leaves out the host's work per tick, so its margin is wide: it stops a gross
-loss within MIN_SPECULATED ticks (eight clients arriving at once, each
-verifying long memory chains: 0.62x plain over HTTP, docs/results.md), and
-real plain ticks, once there are enough, judge the rest.
+seconds of a decode of that many rows), scaled by what plain ticks at the
+nearest batch size with evidence took beyond their decode (the host's work),
+and speculation is held back where its ticks deliver less than
+(1 - PREDICTED_MARGIN) x that. Before any plain evidence the prediction is
+the bare decode, so its margin is wide. A gross loss (under GROSS x the
+bar) is judged after MIN_GROSS ticks instead of MIN_SPECULATED: eight
+clients arriving at once, each verifying long memory chains, ran 19 ticks
+at 0.55-0.7x plain's rate before (0.62x plain over HTTP, docs/results.md).
+Real plain ticks, once there are enough, judge the rest.
 
 The rates are kept for the next process on the same files and machine
 (backends.slot.Learnt, under "realised"; `to_json`, `from_json`), tick
@@ -73,7 +74,8 @@ STALE_WEIGHT = 0.25
 # Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
 PLAIN_EVERY = 32
 # Without enough plain ticks at a batch size, speculation is held back where it delivers less than this share
-# below the plain rate the live curve predicts (which leaves out the host's work per tick: a few percent).
+# below the plain rate the live curve predicts (which knows the host's work per tick only as far as plain ticks
+# at another batch size show it).
 PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).

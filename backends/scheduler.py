@@ -24,9 +24,10 @@ prices its rows against it, since under load a row it adds delays every
 sequence in the batch. Each tick is timed and its committed tokens counted,
 as a speculating or a plain tick of its batch size (backends.realised): what
 speculation delivers here, which bounds `auto` (against the plain rate the
-target lane's live curve predicts, where plain ticks are too few to judge by). Given the engine's `Learnt`,
-those rates start from what an earlier process kept on the same files, and
-are kept for the next (backends.slot.Learnt.realised_for).
+target lane's live curve predicts, where plain ticks are too few to judge
+by). Given the engine's `Learnt`, those rates start from what an earlier
+process kept on the same files, and are kept for the next
+(backends.slot.Learnt.realised_for).
 """
 
 from __future__ import annotations
