@@ -67,6 +67,18 @@ def empirical(engine: Engine, strategy: str, prompt: list[int], params: GenParam
     return counts, accepted
 
 
+def assert_drafts_keep_the_law(engine: Engine, strategy: str, prompt: list[int], options, min_accepted: int,
+                               who: str, runs: int = 3000) -> None:
+    """A drafter's chains or trees, rejection-sampled at temperature 1 without truncation: the first two tokens'
+    law over `runs` seeded answers is the target's (chi-square at ALPHA), with more than `min_accepted` drafts
+    accepted in all, so that the accepting path is what is tested (`who`: the drafter, for the message)."""
+    params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    law = target_law(engine, prompt, params)
+    counts, accepted = empirical(engine, strategy, prompt, params, runs, options)
+    assert accepted > min_accepted, f"{who}'s drafts must be accepted often enough to test the accepting path"
+    assert_target_law(counts, law, alpha=ALPHA)
+
+
 def assert_fits(counts: Sequence[float], probs: Sequence[float], *, alpha: float,
                 what: str = "the counts do not fit the law") -> None:
     """The counts fit the probabilities (chi-square p-value above `alpha`; a count where the probability is 0

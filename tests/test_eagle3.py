@@ -32,7 +32,7 @@ from eagle3_factory import Eagle3Pair, write_eagle3_pair
 from engine_helpers import run_to_done
 from gguf_factory import spm_vocab
 from models.errors import ModelError
-from stats_helpers import ALPHA, assert_target_law, empirical, target_law
+from stats_helpers import assert_drafts_keep_the_law
 
 SPS = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0, adaptive=False))
 PROMPTS = ([1, 300, 301, 302, 303], [1, 259 + 4, 259 + 9, 259 + 2], [1, 271, 283, 290, 305, 300, 271])
@@ -202,13 +202,8 @@ def test_sampling_keeps_the_targets_law(files: Eagle3Files, strategy: str) -> No
     engine = _engine(files.small)
     try:
         assert engine.drafter == "eagle3"
-        prompt = [1, 4, 6, 8]
-        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        law = target_law(engine, prompt, params)
         options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
-        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
-        assert accepted > 500, "the draft's drafts must be accepted often enough to test the accepting path"
-        assert_target_law(counts, law, alpha=ALPHA)
+        assert_drafts_keep_the_law(engine, strategy, [1, 4, 6, 8], options, 500, "the EAGLE-3 draft")
     finally:
         engine.close()
 

@@ -36,7 +36,7 @@ from models.compat import check_pair
 from models.drafters import describe_drafters
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
-from stats_helpers import ALPHA, assert_target_law, empirical, target_law
+from stats_helpers import assert_drafts_keep_the_law
 from test_mtp import PROMPTS, SPS
 
 
@@ -197,13 +197,8 @@ def test_sampling_keeps_the_targets_law(files: Files, strategy: str) -> None:
     """Chains and trees of the assistant's drafts, rejection-sampled: the first two tokens' law is the target's."""
     engine = _engine(files.small, n_seq_max=16)
     try:
-        prompt = [1, 4, 6, 8]
-        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        law = target_law(engine, prompt, params)
         options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
-        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
-        assert accepted > 100, "the assistant's drafts must be accepted often enough to test the accepting path"
-        assert_target_law(counts, law, alpha=ALPHA)
+        assert_drafts_keep_the_law(engine, strategy, [1, 4, 6, 8], options, 100, "the assistant")
     finally:
         engine.close()
 
@@ -304,7 +299,7 @@ def test_f6_lists_the_assistant_as_a_draft_and_offers_it_first_for_its_target(hu
 
     from app.tui.models_screen import ModelsScreen
     from models.store import ModelStore, StoredModel
-    from tui_helpers import app_for, tiny_settings, wait_for, wait_loaded
+    from tui_helpers import app_for, option_labels, tiny_settings, wait_for, wait_loaded
 
     store = ModelStore()  # in the hub fixture's data dir: the local models F6 lists
     store.add(StoredModel("a-gemma4-target", files.agreeing.target))
@@ -320,8 +315,7 @@ def test_f6_lists_the_assistant_as_a_draft_and_offers_it_first_for_its_target(hu
             screen = app.screen
             assert isinstance(screen, ModelsScreen)
             local = screen.query_one("#local", OptionList)
-            rows = {str(local.get_option_at_index(i).prompt): not local.get_option_at_index(i).disabled
-                    for i in range(local.option_count)}
+            rows = option_labels(local)
             row = next(label for label in rows if label.startswith("b-gemma4-assistant "))
             assert not rows[row] and "Gemma 4 assistant draft: pick its target" in row, row
             names = [m.name for m in screen.local]
@@ -332,8 +326,7 @@ def test_f6_lists_the_assistant_as_a_draft_and_offers_it_first_for_its_target(hu
             offered = drafts.get_option_at_index(drafts.highlighted)
             assert names[int(offered.id)] == "b-gemma4-assistant", offered.prompt
             assert str(offered.prompt).endswith(" · Gemma 4 assistant"), offered.prompt
-            narrow = next(str(drafts.get_option_at_index(i).prompt) for i in range(drafts.option_count)
-                          if str(drafts.get_option_at_index(i).prompt).startswith("c-narrow-assistant"))
+            narrow = next(label for label in option_labels(drafts) if label.startswith("c-narrow-assistant"))
             assert "—" in narrow, f"a mismatched assistant is listed with its reason: {narrow}"
             await pilot.press("enter")
             chat = app.chat

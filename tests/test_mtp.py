@@ -33,7 +33,7 @@ from gguf_factory import spm_vocab
 from models.drafters import describe_drafters, mtp_heads
 from models.errors import ModelError
 from models.gguf_info import validate_gguf
-from stats_helpers import ALPHA, assert_target_law, empirical, target_law
+from stats_helpers import assert_drafts_keep_the_law
 
 SPS = StrategyOptions(sps=SpsConfig(draft_max=4, p_min=0.0, adaptive=False))
 PROMPTS = ([1, 300, 301, 302, 303], [1, 259 + 4, 259 + 9, 259 + 2], [1, 271, 283, 290, 305, 300, 271])
@@ -179,13 +179,8 @@ def test_sampling_keeps_the_targets_law(mtp_files: MtpFiles, strategy: str) -> N
     """Chains and trees of the head's drafts, rejection-sampled: the first two tokens' law is the target's."""
     engine = _engine(mtp_files.small, n_seq_max=16)
     try:
-        prompt = [1, 4, 6, 8]
-        params = GenParams(max_tokens=2, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-        law = target_law(engine, prompt, params)
         options = StrategyOptions(sps=SPS.sps, tree=TreeConfig(2, 2, 4))
-        counts, accepted = empirical(engine, strategy, prompt, params, 3000, options)
-        assert accepted > 100, "the head's drafts must be accepted often enough to test the accepting path"
-        assert_target_law(counts, law, alpha=ALPHA)
+        assert_drafts_keep_the_law(engine, strategy, [1, 4, 6, 8], options, 100, "the head")
     finally:
         engine.close()
 
