@@ -75,7 +75,7 @@ from backends.llama_ext import (InjectBatch, TokenBatch, dflash_selector_top_k, 
                                 n_layer, n_ubatch, set_causal_attention, target_layer_ids)
 from backends.mtp import KEEP_BEHIND, HiddenStash
 from backends.steps import Decode, Entry, Rows
-from models.errors import ModelError
+from models.errors import incompatible_pair
 
 
 @dataclass(frozen=True)
@@ -322,8 +322,7 @@ def check_dflash(target: LlamaModel, draft: LlamaModel) -> tuple[tuple[int, ...]
     if dflash_selector_top_k(draft) > 0:
         problems.append("it is a DFlash2 draft (a selector lattice), which specchat does not run")
     if problems:
-        raise ModelError(f"draft {draft.path.name} cannot speculate for target {target.path.name}: "
-                         + "; ".join(problems))
+        raise incompatible_pair(target.path.name, draft.path.name, problems)
     spec = BlockSpec(int(getattr(info, "dflash_block", 16)), mask, bool(getattr(info, "dflash_anchor_first", False)),
                      causal=bool(getattr(info, "dflash_causal", False)))
     return layers, spec

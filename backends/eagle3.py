@@ -81,7 +81,7 @@ from backends.llama_ext import (EncodeBatch, enable_hidden, enable_layer_inputs,
                                 n_layer, target_layer_ids)
 from backends.mtp import HiddenStash, MtpLane, MtpSequence
 from backends.steps import Decode, Entry
-from models.errors import ModelError
+from models.errors import incompatible_pair
 
 # The targets whose graph in llama.cpp 0.3.36 records its layers' inputs (`res->t_layer_inp[il]`, src/models/*.cpp):
 # for any other, llama.cpp aborts at the first decode that asks for them (src/llama-graph.cpp:1384). Those of them
@@ -238,8 +238,7 @@ def check_eagle3(target: LlamaModel, draft: LlamaModel) -> tuple[int, ...]:
     if draft.n_vocab != target.n_vocab:
         problems.append(f"its vocabulary has {draft.n_vocab} tokens, the target's {target.n_vocab}")
     if problems:
-        raise ModelError(f"draft {draft.path.name} cannot speculate for target {target.path.name}: "
-                         + "; ".join(problems))
+        raise incompatible_pair(target.path.name, draft.path.name, problems)
     return layers
 
 

@@ -67,7 +67,7 @@ from backends.llama import ContextConfig, LlamaContext, LlamaModel
 from backends.llama_ext import enable_hidden, hidden_row, n_embd_out
 from backends.mtp import KEEP_BEHIND, HiddenFeed, HiddenStash, MtpLane
 from backends.steps import Decode, Rows
-from models.errors import ModelError
+from models.errors import incompatible_pair
 
 ASSISTANT_ARCHITECTURE = "gemma4-assistant"
 TARGET_ARCHITECTURES = frozenset({"gemma4"})
@@ -236,8 +236,7 @@ def check_assistant(target: LlamaModel, assistant: LlamaModel) -> int:
     if assistant.n_vocab != target.n_vocab:
         problems.append(f"its vocabulary has {assistant.n_vocab} tokens, the target's {target.n_vocab}")
     if problems:
-        raise ModelError(f"draft {assistant.path.name} cannot speculate for target {target.path.name}: "
-                         + "; ".join(problems))
+        raise incompatible_pair(target.path.name, assistant.path.name, problems)
     return width
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.errors import ModelError
+from models.errors import incompatible_pair
 from models.gguf_info import GGUFInfo
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -69,6 +69,4 @@ def check_pair(target: GGUFInfo, draft: GGUFInfo) -> PairCheck:
 def require_compatible(target: GGUFInfo, draft: GGUFInfo) -> None:
     result = check_pair(target, draft)
     if not result.ok:
-        raise ModelError(
-            f"draft {draft.path.name} cannot speculate for target {target.path.name}: " + "; ".join(result.problems)
-        )
+        raise incompatible_pair(target.path.name, draft.path.name, result.problems)
