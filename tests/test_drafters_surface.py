@@ -31,7 +31,7 @@ from backends.events import ACCEPTED, REJECTED
 from backends.sampling import GenParams
 from drafter_files import DRAFTERS, DrafterFiles, write_drafter_files
 from models.store import ModelStore, StoredModel
-from tui_helpers import app_for, send, tiny_settings, wait_for, wait_loaded
+from tui_helpers import app_for, option_labels, send, tiny_settings, wait_for, wait_loaded
 
 PROMPT = "the cat sat on the mat and"
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 80}}, "required": ["story"],
@@ -76,11 +76,6 @@ def test_json_labels_every_drafted_token_with_its_drafter(files: dict[str, Draft
     assert {e["source"] for e in _drafted(events)} == {drafter, "grammar"}
 
 
-def _labels(options: OptionList) -> dict[str, bool]:
-    """Option text -> selectable."""
-    return {str(options.get_option_at_index(i).prompt): not options.get_option_at_index(i).disabled
-            for i in range(options.option_count)}
-
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_f6_offers_the_targets_own_drafter_and_a_turn_drafts_with_it(hub: FakeHub, files: dict[str, DrafterFiles],  # noqa: F811
@@ -103,7 +98,7 @@ def test_f6_offers_the_targets_own_drafter_and_a_turn_drafts_with_it(hub: FakeHu
             await pilot.press("f6")
             screen = app.screen
             assert isinstance(screen, ModelsScreen)
-            local = _labels(screen.query_one("#local", OptionList))
+            local = option_labels(screen.query_one("#local", OptionList))
             target_row = next(label for label in local if label.startswith(f"{drafter}-target "))
             assert local[target_row] and (("its own MTP head" in target_row) == (drafter == "mtp")), target_row
             for kind_label, kind in KIND.items():  # a draft made for a target's layers is no target of its own

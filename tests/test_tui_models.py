@@ -16,13 +16,8 @@ from textual.widgets.option_list import Option
 
 from app.cli import main
 from app.tui.models_screen import ModelsScreen
-from tui_helpers import app_for, send, tiny_settings, wait_for, wait_loaded
+from tui_helpers import app_for, option_labels, send, tiny_settings, wait_for, wait_loaded
 
-
-def _labels(options: OptionList) -> dict[str, bool]:
-    """Option text -> selectable."""
-    return {str(options.get_option_at_index(i).prompt): not options.get_option_at_index(i).disabled
-            for i in range(options.option_count)}
 
 
 def _highlight(options: OptionList, wanted: Callable[[Option], bool]) -> None:
@@ -59,7 +54,7 @@ def test_pull_a_pair_pick_it_and_chat(catalog_hub: FakeHub, tiny, tmp_path, caps
             local.focus()
             local.highlighted = names.index("qwen2.5-7b-instruct")
             await pilot.press("enter")
-            drafts = _labels(screen.query_one("#drafts", OptionList))
+            drafts = option_labels(screen.query_one("#drafts", OptionList))
             compatible = [label for label, ok in drafts.items() if label.startswith("qwen2.5-0.5b-instruct")]
             incompatible = [label for label, ok in drafts.items() if label.startswith(f"hf:{OTHER_REPO}")]
             assert compatible and drafts[compatible[0]]
@@ -123,7 +118,7 @@ def test_the_bundled_target_shows_its_drafts_as_soon_as_it_is_highlighted(instru
             local.focus()
             local.highlighted = names.index("smollm2")
             await pilot.pause()
-            drafts = _labels(screen.query_one("#drafts", OptionList))
+            drafts = option_labels(screen.query_one("#drafts", OptionList))
             assert any(label.startswith("smollm2-draft") and ok for label, ok in drafts.items()), drafts
             assert screen.query_one("#local", OptionList).has_focus  # highlighting does not move the focus
 
@@ -143,7 +138,7 @@ def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(h
         app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
         async with app.run_test(size=(160, 40)) as pilot:
             screen = await _start_pull(pilot, "qwen3.5-mtp")
-            catalog = _labels(screen.query_one("#catalog", OptionList))
+            catalog = option_labels(screen.query_one("#catalog", OptionList))
             mtp = next(label for label in catalog if label.startswith("qwen3.5-mtp: "))
             assert mtp.startswith("qwen3.5-mtp: qwen3.5-4b-mtp Q4_K_M · MTP head inside the target · ~3.5 GB RAM")
             eagle = next(label for label in catalog if label.startswith("gpt-oss-eagle3: "))
@@ -152,7 +147,7 @@ def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(h
             assert "download complete" in str(screen.query_one("#pull-status").render())
             assert [r.path.rsplit("/", 1)[1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path] \
                 == [name]
-            local = _labels(screen.query_one("#local", OptionList))
+            local = option_labels(screen.query_one("#local", OptionList))
             assert any(label.startswith("qwen3.5-4b-mtp ") and "its own MTP head" in label and ok
                        for label, ok in local.items()), local
 

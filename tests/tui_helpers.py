@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import Input, OptionList
 
 from app.settings import Settings
 from app.tui import SpecchatApp, make_app
@@ -67,3 +67,9 @@ def char_styles(*texts) -> list[tuple[str, str]]:
                 styles[i].append(str(span.style))
         out += [(ch, "+".join(st)) for ch, st in zip(text.plain, styles) if not ch.isspace()]
     return out
+
+
+def option_labels(options: OptionList) -> dict[str, bool]:
+    """An option list's rows: option text -> selectable."""
+    return {str(options.get_option_at_index(i).prompt): not options.get_option_at_index(i).disabled
+            for i in range(options.option_count)}
