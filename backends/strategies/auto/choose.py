@@ -17,9 +17,10 @@ expected gain must pay back within SWITCH_HORIZON steps (fewer near the end
 of the answer); otherwise the switch is made only by a try. For the draft
 chain the same rule runs per token (`DraftPays`).
 
-Above the rule, the outcome is checked: where the scheduler saw speculating
-ticks deliver fewer tokens per second than plain ones at this batch size
-lately (backends.realised), every sequence decodes plainly.
+Above the rule, the outcome is checked, before any proposal is looked up
+(Generation.step): where the scheduler saw speculating ticks deliver fewer
+tokens per second than plain ones at this batch size lately
+(backends.realised), every sequence decodes plainly (HELD_BACK).
 
 Exploration: an option the estimates call worse is still tried now and then,
 each at most once per `interval` steps, the interval chosen so that trying
@@ -111,8 +112,6 @@ class Chooser:
     def choose(self, props: Proposals) -> Choice:
         """The step's option; fills in `props`' estimates."""
         st, run, costs = self.state, self.run, self.costs
-        if not costs.slot.load.realised.allows(costs.batch()[0]):  # backends.realised: the outcome's check
-            return Choice(PLAIN, why=HELD_BACK)
         room = run.room() - 1
         t_plain = costs.t_plain()
         rate = costs.rate()

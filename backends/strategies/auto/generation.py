@@ -131,7 +131,7 @@ class Generation:
         first = not run.output
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
-        elif not self.slot.load.realised.allows(self.costs.batch()[0]):  # held back: no proposals to look up
+        elif not self.slot.load.realised.allows(self.costs.batch()[0]):  # backends.realised: held back, no lookups
             self.proposals = Proposals([], 0, CandidateTree())
             choice = Choice(PLAIN, why=HELD_BACK)
         else:
