@@ -154,8 +154,8 @@ def test_auto_prices_with_the_live_curve_alone_and_under_load(tiny) -> None:
 def test_under_load_a_draft_decode_is_priced_by_its_share_of_the_draft_phase(tiny) -> None:
     """Beside 3 others, all 4 drafting: each waits for the draft phase, a batch of 4 draft rows. On live curves
     (target: a tick of 4 rows costs 0.013 s; draft: 4 rows 0.004 s), one sequence's draft decode costs the
-    batch 4 x 0.004/4 = 0.004 s against the tick, in its plain steps: 0.004/0.013 of one. Seeded, it is what
-    the measurement says, once per sequence of the batch."""
+    batch 4 x 0.004/4 = 0.004 s against the tick, in its plain steps: 0.004/0.013 of one, also where the
+    others' rows make the tick longer. Seeded, it is what the measurement says, once per sequence of the batch."""
     draft_seconds = tuple(0.001 * (1 + 0.1 * (k - 1)) for k in range(1, 17))
     engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(LINEAR), 0.1))
     try:
@@ -173,6 +173,12 @@ def test_under_load_a_draft_decode_is_priced_by_its_share_of_the_draft_phase(tin
             target_lane.live.observe(4, 0.013)
         draft_lane.last_rows = 4
         gen.slot.load = BatchLoad(sequences=4, rows=4)
+        assert costs.t_draft(t_plain) == pytest.approx(t_plain * 4 * (0.004 / 4) / 0.013, rel=0.05)
+        # The others verify 36 rows, a tick of 40 (0.04 s): the draft phase is still priced against the batch's
+        # plain tick, one row per sequence (0.013 s), not against the tick their proposals slowed.
+        for _ in range(100):
+            target_lane.live.observe(40, 0.04)
+        gen.slot.load = BatchLoad(sequences=4, rows=40)
         assert costs.t_draft(t_plain) == pytest.approx(t_plain * 4 * (0.004 / 4) / 0.013, rel=0.05)
         gen.slot.load = BatchLoad()
         assert costs.t_draft(t_plain) == pytest.approx(0.001), "alone: as learnt alone"

@@ -8,7 +8,11 @@ the requests one after another (a closed loop), for each C; the servers take
 turns going first for each C and repeat. Reported per server and C: aggregate
 completion tokens per second over the wall time of all requests, p50/p95
 time to first token (first content delta), the median over repeats, and each
-server's ratio to the first server at the same C and repeat.
+server's ratio to the first server at the same C and repeat; beside them the
+decode rate (each request's tokens after its first, over the time from its
+first content to its last), which neither the prompt's evaluation nor the
+answers' lengths move: at temperature > 0 the servers' answers differ in
+length, and a shorter answer carries its prompt's cost over fewer tokens.
 
 llama-server comes from ../shared/tools/build-llama-cpp-reference.sh (the
 same vendored llama.cpp). Servers, with their flags:
@@ -39,6 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -102,27 +107,45 @@ class Server:
             self.proc.kill()
 
 
-def one(client: openai.OpenAI, messages: list[dict], n: int, temp: float, seed: int) -> tuple[float, int]:
-    """(time to first content, completion tokens) of one streamed chat request."""
+def one(client: openai.OpenAI, messages: list[dict], n: int, temp: float, seed: int) -> tuple[float, int, float]:
+    """(time to first content, completion tokens, seconds from the first content to the last) of one streamed chat
+    request."""
     t0 = time.perf_counter()
     first = None
+    last = 0.0
     tokens = 0
     stream = client.chat.completions.create(model=MODEL_ID[0], messages=messages, max_tokens=n, temperature=temp, seed=seed,
                                             stream=True, stream_options={"include_usage": True})
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter() - t0
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter() - t0
+            if first is None:
+                first = last
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return (first if first is not None else time.perf_counter() - t0), tokens
+    if first is None:
+        return time.perf_counter() - t0, tokens, 0.0
+    return first, tokens, last - first
 
 
-def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp: float) -> tuple[float, list[float]]:
-    """Aggregate tok/s and every request's TTFT, with `clients` closed-loop clients."""
+class Load(NamedTuple):
+    """One load's figures: aggregate completion tok/s over its wall time, every request's TTFT, the decode rate
+    (tokens after each request's first, over the time from its first content to its last: what the prompt and the
+    answers' lengths do not move) and the mean completion tokens a request."""
+
+    rate: float
+    ttft: list[float]
+    decode_rate: float
+    mean_tokens: float
+
+
+def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp: float) -> Load:
+    """A load of `clients` closed-loop clients sending `requests`."""
     queue = list(range(len(requests)))
     lock = threading.Lock()
     ttft: list[float] = []
     total = [0]
+    decoded = [0, 0.0]  # tokens after the first, and their seconds
 
     def client_loop() -> None:
         c = server.client()
@@ -131,10 +154,13 @@ def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp:
                 if not queue:
                     return
                 i = queue.pop(0)
-            t, k = one(c, requests[i], n, temp, seed=1000 + i)
+            t, k, d = one(c, requests[i], n, temp, seed=1000 + i)
             with lock:
                 ttft.append(t)
                 total[0] += k
+                if k > 1:
+                    decoded[0] += k - 1
+                    decoded[1] += d
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
@@ -142,7 +168,8 @@ def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp:
         t.start()
     for t in threads:
         t.join()
-    return total[0] / (time.perf_counter() - t0), ttft
+    return Load(total[0] / (time.perf_counter() - t0), ttft, decoded[0] / decoded[1] if decoded[1] else 0.0,
+                total[0] / max(len(ttft), 1))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -177,8 +204,9 @@ def main() -> None:
         requests = [requests[i % len(requests)] for i in range(args.requests)]
     log_dir = Path(tempfile.mkdtemp(prefix="serve-vs-"))
     specs = [s.split("=", 1) for s in args.server]
-    results: dict[tuple[str, int], list[tuple[float, list[float]]]] = {}
+    results: dict[tuple[str, int], list[Load]] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
+    decode_ratios: dict[tuple[str, int], list[float]] = {}
     for c in clients:
         servers = [Server(name, flags, target, draft, max(clients), args.c, args.t, log_dir) for name, flags in specs]
         try:
@@ -190,18 +218,24 @@ def main() -> None:
                 for s in order:
                     got[s.name] = load(s, requests, c, args.n, args.temp)
                     results.setdefault((s.name, c), []).append(got[s.name])
-                    print(f"{c} clients, repeat {rep + 1}, {s.name}: {got[s.name][0]:.1f} tok/s", file=sys.stderr)
+                    print(f"{c} clients, repeat {rep + 1}, {s.name}: {got[s.name].rate:.1f} tok/s, decode "
+                          f"{got[s.name].decode_rate:.1f} tok/s, {got[s.name].mean_tokens:.1f} tokens a request",
+                          file=sys.stderr)
                 for s in servers:
-                    ratios.setdefault((s.name, c), []).append(got[s.name][0] / got[servers[0].name][0])
+                    ratios.setdefault((s.name, c), []).append(got[s.name].rate / got[servers[0].name].rate)
+                    decode_ratios.setdefault((s.name, c), []).append(
+                        got[s.name].decode_rate / (got[servers[0].name].decode_rate or 1.0))
         finally:
             for s in servers:
                 s.stop()
-    print(f"{'server':22} {'clients':>7} {'tok/s in all':>12} {'vs ' + specs[0][0]:>16} {'TTFT p50':>9} {'TTFT p95':>9}")
+    print(f"{'server':22} {'clients':>7} {'tok/s in all':>12} {'vs ' + specs[0][0]:>16} {'decode tok/s':>12} "
+          f"{'vs ' + specs[0][0]:>16} {'tokens/req':>10} {'TTFT p50':>9} {'TTFT p95':>9}")
     for (name, c), runs in results.items():
-        agg = statistics.median(r[0] for r in runs)
-        ttft = [t for r in runs for t in r[1]]
+        agg = statistics.median(r.rate for r in runs)
+        ttft = [t for r in runs for t in r.ttft]
         print(f"{name:22} {c:>7} {agg:>12.1f} {statistics.median(ratios[(name, c)]):>15.2f}x "
-              f"{pct(ttft, 50):>8.3f}s {pct(ttft, 95):>8.3f}s")
+              f"{statistics.median(r.decode_rate for r in runs):>12.1f} {statistics.median(decode_ratios[(name, c)]):>15.2f}x "
+              f"{statistics.mean(r.mean_tokens for r in runs):>10.1f} {pct(ttft, 50):>8.3f}s {pct(ttft, 95):>8.3f}s")
     print(f"logs in {log_dir}", file=sys.stderr)
 
 

@@ -149,8 +149,11 @@ class CostModel:
         Alone: as measured alone. Beside others: every one of the B
         sequences waits for the draft phase of the tick (backends.scheduler),
         so its share of a draft decode (the draft lane's live T(m)/m, m the
-        drafters in its last decode) counts B times, against the plain tick
-        T(L+1) on the target's live curve. Without live curves, a draft
+        drafters in its last decode) counts B times, against the batch's
+        plain tick T(B) on the target's live curve, one row per sequence: the
+        denominator `curve_relative` prices rows against, not the tick the
+        others' proposals have already slowed (against that, a draft looks
+        cheap exactly when everyone speculates). Without live curves, a draft
         decode as measured alone, B times.
         """
         alone = self.t_draft_alone(t_plain)
@@ -163,7 +166,7 @@ class CostModel:
         if live is None or target is None or target is self.seed_curve:
             return alone * b
         m = min(max(draft.lane.last_rows, 1), len(live.seconds))  # type: ignore[union-attr]
-        tick = target.seconds[min(others + 1, len(target.seconds)) - 1]
+        tick = target.seconds[min(b, len(target.seconds)) - 1]
         return t_plain * b * (live.seconds[m - 1] / m) / tick
 
     def relative(self, k: float) -> float:
