@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from backends.engine import Engine
 from backends.config import StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
+from backends.grammar import Grammar
 from backends.sampling import GenParams
 
 # llama.cpp's arithmetic is not batch-invariant: the same row's logits move by up to 0.014 on the tiny models
 # when it shares a batch with three other sequences (measured: alone vs slot 0 of a 4-slot batch, 4 prompts x
 # 9 positions). A greedy choice whose top-2 gap is under twice that may flip under load.
 BATCH_NOISE = 0.03
+# The same on the demo models, F32 both: a row decoded alone against the same row in one batch with the rest of
+# a 48- or 64-token answer, the largest logit difference was 0.044 on Gemma 3 270M and 0.051 on SmolLM2-135M-Instruct
+# (tests/perf/greedy_margins.py --noise, 5 prompts). Twice the larger.
+DEMO_NOISE = 0.1
 
 
 def remember_continuations(engine: Engine, prefix: list[int], seed: int, count: int = 40, length: int = 6) -> None:
@@ -54,11 +61,62 @@ def top2_gap(engine: Engine, context: list[int]) -> float:
     return float(top2[1] - top2[0])
 
 
+def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
+                grammar: Grammar | None = None) -> list[float]:
+    """Before each of `tokens` (a greedy answer to `prompt`), by how much the target prefers that token to the
+    best other one (that `grammar` allows, when the answer was generated under one): its logit less the highest
+    other logit, inf where nothing else was allowed. Read from one pass that decodes the answer with every
+    row's logits (a batch's arithmetic: a row decoded alone differs by llama.cpp's batch noise only), so a gap
+    is negative where that pass would choose otherwise. The first slot's caches are emptied."""
+    seq = engine.target
+    constraint = grammar.start() if grammar is not None else None
+    seq.reset()
+    seq.sync(prompt[:-1], logits=False)
+    fed, gaps = [prompt[-1], *tokens[:-1]], []
+    for start in range(0, len(fed), seq.batch_capacity):
+        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
+        for row, token in zip(seq.rows, tokens[start:]):
+            logits = np.array(seq.logits(row), dtype=np.float64)
+            if constraint is not None:
+                constraint.apply(logits)
+                constraint.commit(token)
+            chosen, logits[token] = logits[token], -np.inf
+            gaps.append(float(chosen - logits.max()))
+    seq.reset()
+    return gaps
+
+
+def near_tie(gaps: Sequence[float], noise: float = BATCH_NOISE) -> int:
+    """How many of an answer's first tokens are chosen by more than `noise` (the index of the first near-tie,
+    where another batch shape may rightly choose otherwise; the whole answer when there is none)."""
+    return next((i for i, gap in enumerate(gaps) if gap <= noise), len(gaps))
+
+
 def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
     """The smallest top-2 gap along the target's greedy path of n tokens: above BATCH_NOISE, batching cannot
     change the greedy text."""
     out = run_to_done(engine, "ar", prompt, GenParams(max_tokens=n)).tokens
-    return min(top2_gap(engine, prompt + list(out[:i])) for i in range(len(out)))
+    return min(greedy_gaps(engine, prompt, out))
+
+
+def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
+                         what: str = "", noise: float = BATCH_NOISE, grammar: Grammar | None = None) -> None:
+    """`got` is `want` (a greedy answer to `prompt`) token for token, or parts from it only at a near-tie: where
+    `want`'s token wins by less than `noise` (among what `grammar` allows, for an answer under one), another
+    batch shape (a verification batch, a batch shared with other sequences) may rightly choose another token,
+    and what follows is another answer. A token changed anywhere else fails, as does an answer cut short or run
+    on where `want`'s choice was no close call. `what` names the run in the message."""
+    want, got = tuple(want), tuple(got)
+    if got == want:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    if i < len(want):
+        gap = greedy_gaps(engine, prompt, want[:i + 1], grammar)[i]
+    else:  # `want` ended there: its end token against the best other
+        gap = top2_gap(engine, list(prompt) + list(want))
+    assert gap < noise, (f"{what}: parts from the greedy answer at output token {i} of {len(want)} "
+                         f"({want[i:i + 1]} vs {got[i:i + 1]}), where its choice wins by {gap:.5f}")
+    print(f"{what}: parts from the greedy answer at a near-tie, output token {i} (its choice wins by {gap:.5f})")
 
 
 def divergences_from_alone(alone: Engine, jobs: list[tuple[str, list[int], GenParams]],

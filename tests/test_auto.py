@@ -24,7 +24,7 @@ from backends.strategies.auto import AutoDecoding
 from backends.strategies.auto.decide import BACKOFF_MAX, MIN_EXPLORE_INTERVAL, TRY_DRAFT_MAX, explore_interval
 from backends.strategies.auto.state import AutoState, confidence_bin, lookup_acceptance, lookup_key
 from auto_helpers import NO_EXPLORING, TINY_PROMPTS, flat, steep, synthetic_engine as _engine
-from engine_helpers import remember_continuations, run_to_done
+from engine_helpers import DEMO_NOISE, assert_greedy_agrees, remember_continuations, run_to_done
 from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_lossless import PARAMS, _copying_prompt
 
@@ -322,6 +322,9 @@ def test_auto_without_a_draft_uses_lookup_on_copying_text(tiny) -> None:
 @pytest.mark.parametrize("text", TINY_PROMPTS)
 @pytest.mark.parametrize("curve", ["flat", "steep", "measured"])
 def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
+    """On the measured curve auto's steps (and so its batches) follow this machine's live timings: where a
+    greedy choice is a near-tie (the second prompt's 22nd token wins by 0.019, tests/perf/greedy_margins.py),
+    a verification batch may rightly take the other token, and only there (engine_helpers.assert_greedy_agrees)."""
     cost = {"flat": DeviceCost(flat(), 0.2), "steep": DeviceCost(steep(), 0.5), "measured": None}[curve]
     engine = _engine(tiny, tiny.draft, cost)
     try:
@@ -330,7 +333,9 @@ def test_auto_equals_ar_tiny(tiny, text: str, curve: str) -> None:
         options = StrategyOptions(auto=AutoConfig(explore_budget=0.2), lookahead=LookaheadConfig(2, 3, 2))
         for _ in range(3):
             got = run_to_done(engine, "auto", prompt, GenParams(max_tokens=48), options)
-            assert got.tokens == ref.tokens and got.text == ref.text
+            assert_greedy_agrees(engine, prompt, ref.tokens, got.tokens, f"auto on {curve}")
+            if got.tokens == ref.tokens:
+                assert got.text == ref.text
     finally:
         engine.close()
 
@@ -375,11 +380,13 @@ def test_auto_keeps_the_target_law(tiny, proposers: dict[str, bool], mixed: dict
 @pytest.mark.demo
 @pytest.mark.parametrize("text", ["Once upon a time, in a small village,", "def fibonacci(n):\n"])
 def test_auto_equals_ar_demo(demo_engine: Engine, text: str) -> None:
+    """auto's batches follow live timings, and the first prompt's 6th token wins by 0.013 only, less than
+    Gemma's batch noise (tests/perf/greedy_margins.py): the answer is ar's, or parts from it at a near-tie."""
     prompt = demo_engine.tokenize(text)
     ref = run_to_done(demo_engine, "ar", prompt, GenParams(max_tokens=48))
     for _ in range(2):
         got = run_to_done(demo_engine, "auto", prompt, GenParams(max_tokens=48))
-        assert got.tokens == ref.tokens
+        assert_greedy_agrees(demo_engine, prompt, ref.tokens, got.tokens, "auto", DEMO_NOISE)
 
 
 def test_run_needs_no_draft_by_default(tiny) -> None:

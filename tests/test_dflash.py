@@ -33,7 +33,7 @@ from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
 from conftest import TINY_VOCAB_WORDS
 from dflash_factory import DFlashPair, dflash_vocab, write_dflash_pair
-from engine_helpers import run_to_done
+from engine_helpers import assert_greedy_agrees, run_to_done
 from models.errors import ModelError
 from stats_helpers import assert_drafts_keep_the_law
 
@@ -109,7 +109,12 @@ def test_greedy_output_is_the_targets(files: DFlashFiles, which: str) -> None:
             want = run_to_done(engine, "ar", prompt, params).tokens
             for strategy in ("sps", "auto", "tree"):
                 done = run_to_done(engine, strategy, prompt, params, SPS)
-                assert done.tokens == want, f"{strategy} on {which} differs from ar"
+                # auto's batches follow live timings: it may part from ar at a near-tie, and only there
+                # (the agreeing pair's first prompt wins its 13th token by 0.0027: tests/perf/greedy_margins.py)
+                if strategy == "auto":
+                    assert_greedy_agrees(engine, list(prompt), want, done.tokens, f"{strategy} on {which}")
+                else:
+                    assert done.tokens == want, f"{strategy} on {which} differs from ar"
                 if strategy == "sps":
                     accepted += done.stats.accepted
                     drafted += done.stats.drafted
@@ -346,6 +351,29 @@ def test_the_same_greedy_tokens_as_llama_server(files: DFlashFiles, tmp_path: Pa
         engine.close()
 
 
+# The server test's prompts, each with its strategy: their 32-token greedy answers on the agreeing pair have no
+# near-tie that batching could flip (the smallest gap 0.037, checked below; tests/perf/greedy_margins.py). The
+# prompts this test had before parted at gaps down to 0.001 ("print hello world", its 24th token): four slots'
+# batches follow the clients' arrival, and a batch shared with others may rightly flip such a choice.
+CONCURRENT = [("red big", "sps"), ("was time print house", "auto"), ("world a", "ar"), ("small sat red", "tree"),
+              ("big small on print", "sps"), ("return code a", "auto"), ("hello world code", "sps"),
+              ("mat a cat dog", "lookup")]
+CONCURRENT_N = 32
+
+
+def test_the_concurrent_prompts_have_no_near_tie(files: DFlashFiles) -> None:
+    """The precondition of the test below: every greedy choice wins by more than batching can move a logit."""
+    from engine_helpers import BATCH_NOISE, min_greedy_gap
+
+    engine = _engine(files.agreeing, draft=False)
+    try:
+        for prompt, _ in CONCURRENT:
+            gap = min_greedy_gap(engine, engine.tokenize(prompt), CONCURRENT_N)
+            assert gap > BATCH_NOISE, f"{prompt!r}: a greedy choice wins by {gap:.4f} only"
+    finally:
+        engine.close()
+
+
 def test_serve_with_four_slots_drafts_with_the_block_and_each_client_gets_its_text(
         files: DFlashFiles, tmp_path: Path) -> None:
     """`specchat serve -np 4 -md draft.gguf`: eight clients at once, mixed strategies, each gets `ar`'s text; the
@@ -358,12 +386,10 @@ def test_serve_with_four_slots_drafts_with_the_block_and_each_client_gets_its_te
     served = start_server(["-m", str(pair.target), "-md", str(pair.draft), "--api-key", API_KEY, "-np", "4",
                            "--no-memory"], tmp_path / "server.log")
     try:
-        prompts = [("the cat sat on the mat", "sps"), ("return a mat", "auto"), ("the big red dog", "ar"),
-                   ("print hello world", "tree"), ("there was a house", "sps"), ("the mat is red", "auto"),
-                   ("hello world code", "sps"), ("big small red blue", "lookup")]
+        prompts = CONCURRENT
 
         def answer(prompt: str, strategy: str):
-            out = served.client().completions.create(model=pair.target.stem, prompt=prompt, max_tokens=32,
+            out = served.client().completions.create(model=pair.target.stem, prompt=prompt, max_tokens=CONCURRENT_N,
                                                      temperature=0, extra_body=spec(strategy))
             return out.choices[0].text, timings_of(out)
 

@@ -23,7 +23,7 @@ from backends.sampling import GenParams, probabilities
 from backends.strategies.lookahead import LookaheadConfig
 from backends.strategies.lookup import LookupConfig
 from backends.strategies.sps import SpsConfig
-from engine_helpers import run_to_done
+from engine_helpers import DEMO_NOISE, assert_greedy_agrees, run_to_done
 from stats_helpers import ALPHA, assert_target_law, outcome
 
 STRATEGIES = ("ar", "sps", "tree", "lookup", "lookahead", "auto")
@@ -97,8 +97,10 @@ def test_every_strategy_writes_valid_json_for_every_schema(json_engine: Engine, 
             value = json.loads(done.text)
             jsonschema.validate(value, schema)
             outputs[strategy] = done.tokens
-        if temperature == 0:
-            assert all(out == outputs["ar"] for out in outputs.values()), f"{name}: greedy outputs differ from ar's"
+        if temperature == 0:  # ar's tokens, or (auto's batches follow live timings) parting at a near-tie only
+            for strategy, out in outputs.items():
+                assert_greedy_agrees(json_engine, prompt, outputs["ar"], out, f"{name}/{strategy}",
+                                     grammar=params.grammar)
 
 
 def test_instruct_model_greedy_constrained_output_is_ars_for_every_strategy(instruct_engine: Engine) -> None:
@@ -118,7 +120,9 @@ def test_instruct_model_greedy_constrained_output_is_ars_for_every_strategy(inst
         done = run_to_done(instruct_engine, strategy, prompt, params, OPTIONS)
         jsonschema.validate(json.loads(done.text), schema)
         outputs[strategy] = done
-    assert all(d.tokens == outputs["ar"].tokens for d in outputs.values())
+    for strategy, done in outputs.items():  # parting at a near-tie only: auto's batches follow live timings
+        assert_greedy_agrees(instruct_engine, prompt, outputs["ar"].tokens, done.tokens, strategy, DEMO_NOISE,
+                             params.grammar)
     assert outputs["sps"].stats.accepted > 0 and outputs["auto"].stats.tokens_by_source.get("grammar", 0) > 0
 
 

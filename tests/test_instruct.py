@@ -18,7 +18,7 @@ from backends.engine import Engine
 from backends.events import until_done
 from backends.registry import STRATEGIES
 from backends.sampling import GenParams
-from engine_helpers import run_to_done
+from engine_helpers import DEMO_NOISE, assert_greedy_agrees, run_to_done
 
 pytestmark = pytest.mark.demo
 QUESTION = "Explain in two sentences why the sky is blue."
@@ -78,12 +78,15 @@ def test_multi_turn_chat_reuses_the_cache_through_the_template(instruct_engine: 
 
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "ar"])
 def test_every_strategy_gives_the_greedy_answer(instruct_engine: Engine, strategy: str) -> None:
+    """Token for token, but where a greedy choice is a near-tie: there a verification batch may rightly take the
+    other token. Both answers have one (the 21st token wins by 0.014, the 28th by 0.028, under SmolLM2's batch
+    noise: tests/perf/greedy_margins.py), and auto's batches follow live timings."""
     fmt = PromptFormat(instruct_engine)
     for text in (QUESTION, "Write a Python function that reverses a string."):
         prompt = fmt.prompt(text)
         ref = run_to_done(instruct_engine, "ar", prompt, GenParams(max_tokens=64))
         got = run_to_done(instruct_engine, strategy, prompt, GenParams(max_tokens=64))
-        assert got.tokens == ref.tokens, f"{strategy} on {text!r}"
+        assert_greedy_agrees(instruct_engine, prompt, ref.tokens, got.tokens, f"{strategy} on {text!r}", DEMO_NOISE)
 
 
 def test_bench_with_openai_style_messages(instruct_pair, tmp_path: Path) -> None:

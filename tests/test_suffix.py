@@ -29,7 +29,7 @@ from backends.memory_file import MemoryFile, describe_file
 from backends.sampling import GenParams
 from backends.strategies.suffix import prune_by_grammar, shaped
 from backends.token_tree import TokenTree
-from engine_helpers import remember_continuations, run_to_done
+from engine_helpers import assert_greedy_agrees, remember_continuations, run_to_done
 from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 
 HASH = bytes(range(32))
@@ -206,6 +206,8 @@ def memory_engine(tiny, tmp_path: Path) -> Engine:
 
 
 def test_suffix_and_auto_with_a_warm_memory_give_ars_greedy_output(memory_engine: Engine) -> None:
+    """auto's steps follow live timings, so its batches differ from run to run, and the last prompt's 28th token
+    wins by 0.0011 only (tests/perf/greedy_margins.py): the answer is ar's, or parts from it at a near-tie."""
     prompts = [memory_engine.tokenize(p) for p in ("the cat sat on the mat", "once upon a time there was",
                                                    "def print hello world", "the big red dog ran")]
     params = GenParams(max_tokens=60)
@@ -213,7 +215,10 @@ def test_suffix_and_auto_with_a_warm_memory_give_ars_greedy_output(memory_engine
     for strategy in ("suffix", "auto"):
         for i, p in enumerate(prompts):
             done = run_to_done(memory_engine, strategy, p, params)
-            assert done.tokens == alone[i], f"{strategy} on prompt {i}"
+            if strategy == "suffix":  # the memory's drafts, the same in every run: token for token
+                assert done.tokens == alone[i], f"{strategy} on prompt {i}"
+            else:
+                assert_greedy_agrees(memory_engine, p, alone[i], done.tokens, f"{strategy} on prompt {i}")
     again = run_to_done(memory_engine, "suffix", prompts[0], params)
     assert again.stats.tokens_by_source.get("memory", 0) > 30, "an exact repeat drafts from the memory"
     assert again.stats.target_forwards < len(again.tokens) / 3

@@ -20,7 +20,7 @@ from backends.pricing import best_subtree
 from backends.sampling import GenParams
 from backends.strategies.tree import TreeSpeculation
 from backends.token_tree import TokenTree, TreeBuilder
-from engine_helpers import run_to_done
+from engine_helpers import BATCH_NOISE, DEMO_NOISE, assert_greedy_agrees, run_to_done
 from stats_helpers import ALPHA, assert_target_law, outcome, target_law
 from test_greedy_equality import DEMO_PROMPTS, TINY_PROMPTS, _explain_mismatch
 
@@ -36,11 +36,18 @@ def _label(c: TreeConfig) -> str:
     return f"D{c.depth}k{c.top_k}M{c.nodes}{static}"
 
 
-def _equal_to_ar(engine: Engine, text: str, n: int, config: TreeConfig):
+def _equal_to_ar(engine: Engine, text: str, n: int, config: TreeConfig, noise: float = BATCH_NOISE):
+    """The tree's greedy output is ar's. A fixed budget's batches are the same in every run: token for token. An
+    auto budget's follow the curve measured at run time, so its batches differ from run to run: a verification
+    batch may rightly take the other token where a greedy choice is a near-tie (on the demo prompts, 0.013 at
+    the first's 6th token, 0.006 at the second's 26th: tests/perf/greedy_margins.py), and only there."""
     prompt = engine.tokenize(text)
     ref = run_to_done(engine, "ar", prompt, GenParams(max_tokens=n))
     got = run_to_done(engine, "tree", prompt, GenParams(max_tokens=n), StrategyOptions(tree=config))
-    assert got.tokens == ref.tokens, _explain_mismatch(engine, prompt, ref.tokens, got.tokens)
+    if config.auto:
+        assert_greedy_agrees(engine, prompt, ref.tokens, got.tokens, f"tree {_label(config)}", noise)
+    else:
+        assert got.tokens == ref.tokens, _explain_mismatch(engine, prompt, ref.tokens, got.tokens)
     return got
 
 
@@ -60,7 +67,7 @@ DEMO_CASES = [(t, c) for t in DEMO_PROMPTS for c in BUDGETS[1:]] + [
 @pytest.mark.demo
 @pytest.mark.parametrize(("text", "config"), DEMO_CASES, ids=lambda v: _label(v) if isinstance(v, TreeConfig) else None)
 def test_tree_equals_ar_demo(demo_engine: Engine, text: str, config: TreeConfig) -> None:
-    done = _equal_to_ar(demo_engine, text, 32, config)
+    done = _equal_to_ar(demo_engine, text, 32, config, DEMO_NOISE)
     assert done.stats.accepted > 0
 
 
@@ -214,7 +221,7 @@ def test_auto_budget_in_a_real_run(tiny_engine: Engine) -> None:
     assert strategy.cost is not None and len(strategy.cost.batch.seconds) == AUTO_K_MAX
     assert strategy.cost.draft > 0
     assert tiny_engine.device_cost() is strategy.cost, "measured once per engine"
-    assert done.tokens == ref.tokens
+    assert_greedy_agrees(tiny_engine, prompt, ref.tokens, done.tokens, "tree on the measured curve")
     assert 0 < done.stats.extra["mean_tree_nodes"] <= done.stats.extra["mean_drafted_nodes"]
 
     _, flat = _auto_run(tiny_engine, DeviceCost(_curve(0.0), 0.0))
