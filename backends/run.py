@@ -22,7 +22,7 @@ from backends.events import ACCEPTED, REJECTED, TARGET, Done, DoneReason, GenSta
 from backends.grammar import Constraint
 from backends.kv import KvSequence
 from backends.llama import LlamaModel
-from backends.sampling import GenParams, log_probabilities, make_rng
+from backends.sampling import GenParams, Noise, log_probabilities, make_rng
 from backends.text import TextStream, rendering
 
 
@@ -39,7 +39,8 @@ class Run:
         self.model = model
         self.params = params
         self.n_ctx = n_ctx
-        self.rng = make_rng(params.seed)
+        self.rng = make_rng(params.seed)  # a draft model's sampling and rejection sampling's decisions
+        self.noise = Noise.of(params.seed)  # the target's draws (backends.sampling)
         self.context: list[int] = list(prompt)  # prompt + committed output
         self.n_prompt = len(prompt)
         self.output: list[int] = []
@@ -81,6 +82,10 @@ class Run:
     def pending(self) -> int:
         """The last committed token: not in the target's cache yet."""
         return self.context[-1]
+
+    def place(self) -> int:
+        """The place in the answer of the next token the target draws (the noise it draws with is indexed by it)."""
+        return self.params.first_place + len(self.output)
 
     def room(self) -> int:
         """How many more tokens the next target forward may produce (proposals + 1)."""

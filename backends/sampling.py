@@ -1,14 +1,34 @@
-"""Sampling parameters and the one logits -> probabilities transform.
+"""Sampling parameters, the one logits -> probabilities transform, and the target's draws.
 
 Every strategy, for the target and for the draft, goes through `probabilities`
 so that speculative verification compares like with like.
 The order is the one Hugging Face's `generate` uses: temperature, then top-k,
 then top-p (nucleus, Holtzman et al. 2020), then min-p (Nguyen et al. 2024).
 Temperature 0 means greedy decoding: argmax of the raw logits.
+
+The target draws its token at each place of the output by Gumbel-max with
+noise the seed fixes for that place and each token id (`Noise`, `draw`):
+argmax over the kept tokens x of log p(x) + g(place, x), an exact draw from
+p. Plain decoding draws so, and so does the verification of deterministic
+proposals (lookup, the memory, lookahead's n-grams, trees: backends.verify),
+where a proposal is accepted iff it is the token the target draws. The
+target's token at each place is then the same whoever proposed: a seeded
+answer is the one `ar` gives, whatever those strategies proposed and however
+`auto` chose between them (Daliri, Musco & Suresh 2024, "Coupling without
+Communication and Drafter-Invariant Speculative Decoding", arXiv 2408.07978,
+its Gumbel sampling). The chance of accepting a deterministic proposal is
+p(x), as with SpecInfer's rule, so nothing is lost; what is gained is an
+answer that the same seed reproduces (OpenAI's `seed`), and a speculation
+memory whose record of a seeded answer is that answer when the same request
+comes again. A draft model's sampled proposals are still verified by
+rejection sampling (Leviathan et al.), which accepts more than a coupled draw
+would (1 - TV against at least (1 - TV)/(1 + TV), the paper's bound), with a
+generator of its own (`make_rng`).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +73,9 @@ class GenParams:
     reasoning_message: str = ""
     # Set by backends.reasoning on the thinking phase of an answer: what `auto` learns there is kept apart.
     reasoning_phase: bool = False
+    # The place in the whole answer of this generation's first token (a thinking model's later phase goes on
+    # counting from its earlier ones): the target's draws are indexed by it (`Noise`).
+    first_place: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -69,6 +92,8 @@ class GenParams:
             raise ValueError("logprobs must be between 0 and 20")
         if self.reasoning_budget is not None and self.reasoning_budget < 0:
             raise ValueError("the reasoning budget must be >= 0 tokens")
+        if self.first_place < 0:
+            raise ValueError("an answer's first place is >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +101,63 @@ class GenParams:
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
+    """The generator a draft model samples its proposals with, and rejection sampling decides with."""
     return np.random.default_rng(seed)
+
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea & Flood 2014) on a Python int: 64 well-mixed bits."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """`_mix` over a uint64 array (numpy's array products wrap modulo 2^64, as the finaliser wants)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Gumbel noise fixed by a key for each place of an answer and each token id: g(place, x) =
+    -log(-log u), u uniform in (0, 1) from SplitMix64 over (key, place, x). Counter-based, so a draw at a place
+    costs only the kept tokens' noise, and every strategy that draws at that place reads the same."""
+
+    key: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.key <= _MASK:
+            raise ValueError(f"a noise key is 64 bits, got {self.key}")
+
+    @staticmethod
+    def of(seed: int | None) -> "Noise":
+        """The seed's noise; without a seed, fresh noise."""
+        return Noise(_mix((seed + _GOLDEN) & _MASK) if seed is not None else secrets.randbits(64))
+
+    def gumbel(self, place: int, ids: np.ndarray) -> np.ndarray:
+        base = _mix((self.key ^ _mix((place * _GOLDEN + 1) & _MASK)) & _MASK)
+        bits = _mix_array(np.asarray(ids, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(base))
+        u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+        return -np.log(-np.log(u))
+
+
+def draw(ids: np.ndarray, probs: np.ndarray, noise: Noise, place: int) -> int:
+    """The target's token at `place` among `ids` with probabilities `probs` (> 0): Gumbel-max, an exact draw."""
+    if ids.size == 1:
+        return int(ids[0])
+    return int(ids[int(np.argmax(np.log(probs) + noise.gumbel(place, ids)))])
+
+
+def draw_dense(p: np.ndarray, noise: Noise, place: int) -> int:
+    """`draw` from a dense probability vector (zeros outside the kept tokens)."""
+    ids = np.flatnonzero(p)
+    return draw(ids, p[ids], noise, place)
 
 
 def argmax(logits: np.ndarray) -> int:
@@ -151,22 +232,16 @@ def probabilities(logits: np.ndarray, params: GenParams) -> np.ndarray:
     return out
 
 
-def sample_logits(logits: np.ndarray, params: GenParams, rng: np.random.Generator) -> int:
-    """`sample(probabilities(logits, params), rng)`, the same token for the same generator state, without the
-    dense vector (what plain decoding draws every token with)."""
+def sample_logits(logits: np.ndarray, params: GenParams, noise: Noise, place: int) -> int:
+    """The target's token at `place`: `draw_dense(probabilities(logits, params), noise, place)`, the same token,
+    without the dense vector (what plain decoding draws every token with); greedy: the argmax."""
     if params.greedy:
         return argmax(logits)
     ids, probs = kept_tokens(logits, params)
-    order = np.argsort(ids)  # `sample` walks the dense vector's nonzero entries in id order
-    ids, probs = ids[order], probs[order]
     nonzero = probs > 0.0
     if not nonzero.all():
         ids, probs = ids[nonzero], probs[nonzero]
-    if ids.size == 1:
-        return int(ids[0])
-    cdf = np.cumsum(probs)
-    j = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(ids[min(j, ids.size - 1)])
+    return draw(ids, probs, noise, place)
 
 
 def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

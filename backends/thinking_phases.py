@@ -99,8 +99,10 @@ class PhaseRun:
         if room < 1 or self.should_stop():
             return None
         try:
+            # The phase's draws go on from the answer's place (backends.sampling.Noise), not from its first again.
             return self.inner.steps(self.prompt + self.written,
-                                    replace(params, max_tokens=min(room, params.max_tokens)), self.should_stop)
+                                    replace(params, max_tokens=min(room, params.max_tokens),
+                                            first_place=len(self.written)), self.should_stop)
         except PromptError:  # the context is full: after what the phases wrote, the answer's end
             if not self.written:
                 raise

@@ -8,12 +8,15 @@
   Accept draft x ~ q with probability min(1, p(x)/q(x)); at the first rejection
   sample from norm(max(0, p - q)); after K acceptances sample a bonus token
   from the target's (K+1)-th distribution.
-- Deterministic proposals (n-gram pool, prompt lookup, several candidates at
-  one position): SpecInfer's multi-step speculative sampling (Miao et al. 2024,
-  Alg. 2) with one-hot draft distributions, as in lookahead decoding (Fu et al.
-  2024): accept candidate t with probability p(t); on rejection set p(t) = 0
-  and renormalise; try the next candidate; if none is accepted, sample from
-  what is left.
+- Deterministic proposals (n-gram pool, prompt lookup, the memory, several
+  candidates at one position): the target draws its own token with the noise
+  of that place (backends.sampling.draw, Gumbel-max), and a proposal is
+  accepted iff it is that token. Each candidate is accepted with chance p(t),
+  as under SpecInfer's multi-step rule with one-hot drafts (Miao et al. 2024,
+  Alg. 2; lookahead decoding, Fu et al. 2024), and the token is distributed as
+  p; unlike that rule, the token does not depend on what was proposed, so the
+  answer is the one plain decoding draws with the same seed (Daliri, Musco &
+  Suresh 2024, arXiv 2408.07978).
 
 The target's distributions are requested lazily (`target_probs(i)`) because
 a full-vocabulary transform is not free and rows past a rejection are unused.
@@ -26,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from backends.sampling import sample
+from backends.sampling import Noise, draw_dense, sample
 
 
 @dataclass(frozen=True)
@@ -66,31 +69,15 @@ def verify_draft_sampling(
     return Verdict(len(proposals), sample(target_probs(len(proposals)), rng))
 
 
-def choose_among_candidates(p: np.ndarray, candidates: Sequence[int], rng: np.random.Generator) -> int:
-    """SpecInfer's rule for one position with one-hot (deterministic) candidates.
-
-    Returns the accepted candidate, or a token sampled from the residual when
-    every candidate was refused. The result is distributed exactly as `p`.
-    """
-    residual = p.copy()
-    for token in dict.fromkeys(candidates):  # each distinct candidate once, in order
-        mass = residual.sum()
-        if mass <= 0.0:
-            break
-        if rng.random() * mass < residual[token]:
-            return int(token)
-        residual[token] = 0.0
-    return sample(residual if residual.sum() > 0.0 else p, rng)
-
-
 def verify_one_hot_chain(
     proposals: Sequence[int],
     target_probs: Callable[[int], np.ndarray],
-    rng: np.random.Generator,
+    noise: Noise,
+    place: int,
 ) -> Verdict:
-    """A single chain of deterministic proposals: `choose_among_candidates` with one candidate per position."""
+    """A chain of deterministic proposals, the first at `place`: accepted while each is the target's draw there."""
     for i, token in enumerate(proposals):
-        chosen = choose_among_candidates(target_probs(i), (token,), rng)
-        if chosen != token:
-            return Verdict(i, chosen)
-    return Verdict(len(proposals), sample(target_probs(len(proposals)), rng))
+        drawn = draw_dense(target_probs(i), noise, place + i)
+        if drawn != token:
+            return Verdict(i, drawn)
+    return Verdict(len(proposals), draw_dense(target_probs(len(proposals)), noise, place + len(proposals)))

@@ -80,3 +80,22 @@ def test_sps_sampling_accepts_some_and_rejects_some(small_engine: Engine) -> Non
     params = GenParams(max_tokens=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5)
     done = run_to_done(small_engine, "sps", PROMPT, params, OPTIONS)
     assert 0.1 < done.stats.acceptance_rate < 0.95
+
+
+@pytest.mark.parametrize("strategy", ["lookahead", "lookup", "tree"])
+def test_a_seeded_answer_is_ars_whatever_is_proposed_deterministically(small_engine: Engine, strategy: str) -> None:
+    """The target draws each place's token with noise the seed fixes (backends.sampling.Noise), and a
+    deterministic proposal is accepted iff it is that token: with the same seed, these strategies give `ar`'s
+    answer token for token while accepting proposals (`tree`'s children are the draft's top picks, not
+    samples). tests/test_suffix.py holds the same for the memory and `auto`."""
+    options = OPTIONS
+    prompt = _copying_prompt(small_engine)
+    accepted = 0
+    for seed in range(12):
+        for params in PARAMS.values():
+            params = GenParams(**{**params.__dict__, "max_tokens": 24, "seed": seed})
+            plain = run_to_done(small_engine, "ar", prompt, params, options)
+            done = run_to_done(small_engine, strategy, prompt, params, options)
+            assert done.tokens == plain.tokens, (strategy, seed, params)
+            accepted += done.stats.accepted
+    assert accepted > 20, "the strategy must have had proposals accepted"

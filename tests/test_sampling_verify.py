@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.sampling import GenParams, _top_k_ids, probabilities, sample, sample_logits
-from backends.verify import Verdict, choose_among_candidates, verify_draft_sampling, verify_greedy, verify_one_hot_chain
+from backends.sampling import GenParams, Noise, _top_k_ids, draw, draw_dense, probabilities, sample, sample_logits
+from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
 from stats_helpers import assert_fits
 
 ALPHA = 1e-4
@@ -32,8 +32,8 @@ def test_top_k_near_the_top_finds_the_same_ids_as_a_full_partition() -> None:
         assert set(_top_k_ids(logits, k).tolist()) == expected
 
 
-def test_sample_logits_draws_the_token_sample_of_probabilities_draws() -> None:
-    """The plain step's sparse draw is the dense rule's draw, token for token, for the same generator state."""
+def test_sample_logits_draws_the_token_the_dense_draw_draws() -> None:
+    """The plain step's sparse draw is the dense rule's draw, token for token, for the same noise and place."""
     rng = np.random.default_rng(11)
     differing = 0
     for trial in range(600):
@@ -41,10 +41,47 @@ def test_sample_logits_draws_the_token_sample_of_probabilities_draws() -> None:
         logits = (rng.standard_normal(n) * float(rng.choice([0.5, 4.0, 30.0]))).astype(np.float32)
         params = GenParams(temperature=float(rng.choice([0.0, 0.4, 1.0, 1.7])), top_k=int(rng.choice([0, 1, 40])),
                            top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])))
-        seed = int(rng.integers(1 << 30))
-        differing += sample(probabilities(logits, params), np.random.default_rng(seed)) != \
-            sample_logits(logits, params, np.random.default_rng(seed))
+        noise, place = Noise.of(int(rng.integers(1 << 30))), int(rng.integers(4096))
+        expected = int(np.argmax(logits)) if params.greedy else draw_dense(probabilities(logits, params), noise, place)
+        differing += expected != sample_logits(logits, params, noise, place)
     assert differing == 0
+
+
+def test_the_draw_at_each_place_follows_the_distribution_and_places_are_independent() -> None:
+    """Gumbel-max with the hashed noise is an exact draw: over the places of one answer (one key) and over the
+    keys at one place, the tokens follow p; two neighbouring places' tokens follow the product law. The ids sit
+    far apart in a large vocabulary, as the kept tokens of a real step do."""
+    rng = np.random.default_rng(5)
+    p = _random_dist(rng, 8, zeros=1)
+    ids = np.array([3, 17, 4096, 4097, 65_000, 150_001, 262_143, 9])
+    kept = p > 0
+    index = {int(t): i for i, t in enumerate(ids)}
+    one_key = Noise.of(7)
+    counts = np.zeros(8, dtype=np.int64)
+    for place in range(30000):
+        counts[index[draw(ids[kept], p[kept], one_key, place)]] += 1
+    assert_fits(counts, p, alpha=ALPHA)
+    counts[:] = 0
+    for seed in range(30000):
+        counts[index[draw(ids[kept], p[kept], Noise.of(seed), 12)]] += 1
+    assert_fits(counts, p, alpha=ALPHA)
+    q = _random_dist(rng, 4)
+    small = ids[:4]
+    pairs = np.zeros((4, 4), dtype=np.int64)
+    for seed in range(30000):
+        noise = Noise.of(seed)
+        pairs[index[draw(small, q, noise, 40)], index[draw(small, q, noise, 41)]] += 1
+    assert_fits(pairs.ravel(), np.outer(q, q).ravel(), alpha=ALPHA)
+
+
+def test_a_seed_fixes_the_noise_and_no_seed_gives_fresh_noise() -> None:
+    ids = np.arange(1000)
+    assert np.array_equal(Noise.of(3).gumbel(5, ids), Noise.of(3).gumbel(5, ids))
+    assert not np.array_equal(Noise.of(3).gumbel(5, ids), Noise.of(4).gumbel(5, ids))
+    assert not np.array_equal(Noise.of(3).gumbel(5, ids), Noise.of(3).gumbel(6, ids))
+    assert not np.array_equal(Noise.of(None).gumbel(5, ids), Noise.of(None).gumbel(5, ids))
+    with pytest.raises(ValueError, match="64 bits"):
+        Noise(-1)
 
 
 def test_probabilities_matches_hand_computation() -> None:
@@ -132,19 +169,23 @@ def test_rejection_sampling_two_positions_joint_distribution() -> None:
     assert_fits(counts.ravel(), expected.ravel(), alpha=ALPHA)
 
 
-def test_one_hot_candidates_are_target_distributed() -> None:
-    """SpecInfer's multi-candidate rule with deterministic candidates keeps p exactly."""
+def test_deterministic_candidates_are_accepted_iff_the_target_draws_them() -> None:
+    """A one-hot chain's verdict is the target's own draws place by place: its proposals are accepted exactly
+    while they are the tokens plain decoding draws with the same noise, and its next token is the draw at the
+    first place they part (so the answer is plain decoding's, whatever was proposed)."""
     rng = np.random.default_rng(3)
-    p = _random_dist(rng, 8, zeros=1)
-    candidates = [int(np.argmax(p)), 2, 5, 2]
-    counts = np.zeros(8, dtype=np.int64)
-    for _ in range(30000):
-        counts[choose_among_candidates(p, candidates, rng)] += 1
-    assert_fits(counts, p, alpha=ALPHA)
+    laws = [_random_dist(rng, 8, zeros=1) for _ in range(4)]
+    for seed in range(300):
+        noise = Noise.of(seed)
+        plain = [draw_dense(laws[i], noise, 20 + i) for i in range(4)]
+        proposals = [int(t) for t in rng.integers(0, 8, 3)]
+        verdict = verify_one_hot_chain(proposals, lambda i: laws[i], noise, 20)
+        agree = next((i for i in range(3) if proposals[i] != plain[i]), 3)
+        assert verdict == Verdict(agree, plain[agree])
 
 
 def test_one_hot_chain_accepts_in_proportion_to_target_mass() -> None:
     rng = np.random.default_rng(4)
     p = _random_dist(rng, 6)
-    accepted = sum(verify_one_hot_chain([3], lambda i: p, rng).n_accepted for _ in range(20000))
+    accepted = sum(verify_one_hot_chain([3], lambda i: p, Noise.of(seed), 0).n_accepted for seed in range(20000))
     assert abs(accepted / 20000 - p[3]) < 0.015

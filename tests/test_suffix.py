@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from backends.config import StrategyOptions, SuffixConfig
+from backends.config import AutoConfig, StrategyOptions, SuffixConfig
 from backends.engine import Engine, EngineConfig
 from backends.memory import Continuations, SpeculationMemory, merge_continuations
 from backends.memory_file import MemoryFile, describe_file
@@ -222,6 +222,25 @@ def test_suffix_and_auto_with_a_warm_memory_give_ars_greedy_output(memory_engine
     again = run_to_done(memory_engine, "suffix", prompts[0], params)
     assert again.stats.tokens_by_source.get("memory", 0) > 30, "an exact repeat drafts from the memory"
     assert again.stats.target_forwards < len(again.tokens) / 3
+
+
+def test_a_seeded_sampled_answer_comes_again_from_the_memory_with_every_strategy(memory_engine: Engine) -> None:
+    """At temperature 0.8 the target's draws are fixed by the seed (backends.sampling.Noise) whoever proposes: a
+    request sent again with its seed gets `ar`'s answer from `suffix` and `auto` (here without the draft model,
+    whose sampled chains rejection sampling verifies; on this tiny pair it mostly decodes plainly), and the
+    memory, which holds that answer, drafts most of it for `suffix`. (With a draw that depended on the
+    proposals, the memory's record of an answer would be right only until the first place the new answer drew
+    otherwise.)"""
+    prompt = memory_engine.tokenize("once upon a time there was")
+    options = StrategyOptions(auto=AutoConfig(draft=False))
+    for seed in (1, 2, 3):
+        params = GenParams(max_tokens=48, temperature=0.8, seed=seed)
+        first = run_to_done(memory_engine, "ar", prompt, params)  # remembered
+        for strategy in ("suffix", "auto"):
+            again = run_to_done(memory_engine, strategy, prompt, params, options)
+            assert again.tokens == first.tokens, (strategy, seed)
+            if strategy == "suffix":
+                assert again.stats.tokens_by_source.get("memory", 0) >= len(first.tokens) // 2, seed
 
 
 def test_a_request_that_must_not_be_remembered_neither_reads_nor_writes(memory_engine: Engine) -> None:

@@ -74,7 +74,7 @@ def test_tree_equals_ar_demo(demo_engine: Engine, text: str, config: TreeConfig)
 @pytest.mark.parametrize("config", [TreeConfig(2, 6, 12), TreeConfig(3, 6, 12, "static", 0.05, 0.0)], ids=_label)
 def test_tree_keeps_the_target_law(small_engine: Engine, config: TreeConfig) -> None:
     """Children are deterministic picks in both shapes (the top-k; the top candidates above p_split):
-    SpecInfer's one-hot rule keeps the target's law exactly."""
+    the target's draw at each place (backends.verify) keeps its law exactly."""
     from test_lossless import PARAMS, PROMPT
 
     params = PARAMS["plain"]

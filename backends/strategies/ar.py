@@ -28,7 +28,7 @@ class Autoregressive(StepMachine):
         def step() -> Iterator[object]:
             yield from self.target.extending([run.pending])
             logits = run.logits(self.target)
-            tok = sample_logits(logits, params, run.rng)
+            tok = sample_logits(logits, params, run.noise, run.place())
             ev = run.commit(tok, TARGET, logits=logits)
             if ev is not None:
                 yield ev

@@ -3,8 +3,8 @@
 Shared by the strategies that verify many branches in one batch, each under
 its own sequence id (`lookahead`'s n-grams, `tree`'s, `suffix`'s and `auto`'s
 token trees, backends.token_tree.TokenTree: `verify_tree`). At each position
-the target picks its token among the branches' candidates (greedy: argmax;
-sampling: SpecInfer's one-hot multi-candidate rule, backends.verify); after the
+the target draws its token (greedy: argmax; sampling: its draw at that place,
+backends.verify) and keeps the branch whose candidate it is, if any; after the
 walk the caller keeps the accepted branch's cells as sequence 0 and drops the
 others (backends.kv.KvSequence.keep_branch).
 """
@@ -19,10 +19,9 @@ import numpy as np
 from backends.events import ACCEPTED, TARGET, Event, Source
 from backends.kv import KvSequence
 from backends.run import Run
-from backends.sampling import argmax, probabilities
+from backends.sampling import argmax, draw_dense, probabilities
 from backends.steps import Decode
 from backends.token_tree import TokenTree
-from backends.verify import choose_among_candidates
 
 
 def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
@@ -35,7 +34,7 @@ def pick_among(run: Run, logits: np.ndarray, offered: Sequence[int],
     if run.params.greedy:
         token = argmax(logits)
     else:
-        token = choose_among_candidates(probabilities(logits, run.params), offered, run.rng)
+        token = draw_dense(probabilities(logits, run.params), run.noise, run.place())
     matched = token in offered
     if offered and not matched:
         yield run.rejected(offered[0], source)
@@ -60,7 +59,7 @@ def verify_tree(run: Run, target: KvSequence, tree: TokenTree, source: Source, c
                 why: str = "") -> Generator[Event | Decode, list[int], TreeVerdict]:
     """SpecInfer's tree verification in one target batch: every root-to-leaf path under its own sequence id
     (a node belongs to the ids of all paths through it), then the target walks the tree from the root
-    (greedy: the child equal to its argmax; sampling: the one-hot multi-candidate rule, `pick_among`), and
+    (greedy: the child equal to its argmax; sampling: the child equal to its draw, `pick_among`), and
     the accepted path's cells become sequence 0."""
     tokens, depth, leaves = tree.tokens, tree.depth, tree.leaves
     n_past = len(run.context) - 1

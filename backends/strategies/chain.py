@@ -34,12 +34,12 @@ def verify_chain(
     rows = yield from target.extending([run.pending, *drafts], logits="all")
     params = run.params
     if not drafts:  # a plain step: the target's own token, drawn without the dense vector
-        verdict = Verdict(0, sample_logits(run.logits(target, rows[0]), params, run.rng))
+        verdict = Verdict(0, sample_logits(run.logits(target, rows[0]), params, run.noise, run.place()))
     elif params.greedy:
         verdict = verify_greedy(drafts, lambda i: argmax(run.logits(target, rows[i], drafts[:i])))
     elif draft_dists is None:
         verdict = verify_one_hot_chain(drafts, lambda i: probabilities(run.logits(target, rows[i], drafts[:i]), params),
-                                       run.rng)
+                                       run.noise, run.place())
     else:
         verdict = verify_draft_sampling(
             drafts, draft_dists, lambda i: probabilities(run.logits(target, rows[i], drafts[:i]), params), run.rng

@@ -10,7 +10,7 @@ Each target forward pass is one batch holding, with their own sequence ids:
                  start with the input token.
 The target's token after the input is compared with the n-grams' next tokens;
 each match lets one more token through in the same pass (greedy: equality;
-sampling: SpecInfer's one-hot multi-candidate rule, lossless). The window
+sampling: the target's draw at that place, backends.verify, lossless). The window
 shifts by one level per step and its new last level is the target's argmax
 at the last level's rows; every column then yields an n-gram for the pool.
 After the step, cells past the accepted prefix are dropped, and the winning
@@ -187,7 +187,7 @@ class LookaheadDecoding(StepMachine):
             cached = yield from target.syncing(prompt[:-1], logits=False)
             yield from target.extending(prompt[-1:])
             logits = run.logits(target)
-            first_token.append(sample_logits(logits, params, run.rng))
+            first_token.append(sample_logits(logits, params, run.noise, run.place()))
             first_logits.append(np.array(logits) if params.logprobs is not None else None)
             return cached
 
