@@ -36,7 +36,7 @@ from backends.config import AUTO_K_MAX, MEMORY_TOKENS, StrategyOptions
 from backends.device_cost import CostCache, DeviceCost, cost_key, measure_device_cost
 from backends.dflash import dflash_lanes
 from backends.eagle3 import eagle3_lanes
-from backends.gemma4_assistant import ASSISTANT_ARCHITECTURE, AssistantSequence, assistant_lanes
+from backends.gemma4_assistant import ASSISTANT_ARCHITECTURE, assistant_lanes
 from backends.kv import KvSequence, Lane
 from backends.kv_store import KvKey
 from backends.llama import ContextConfig, LlamaContext, LlamaModel, build_info, default_threads, max_sequences
@@ -193,7 +193,7 @@ class Engine:
             target = KvSequence(self.target_lane, i * ids, ids, per_slot)
             draft = mtp_drafts[i] if mtp_drafts else \
                 KvSequence(self.draft_lane, i * ids, ids, per_slot) if self.draft_lane is not None else None
-            if isinstance(draft, AssistantSequence):
+            if draft is not None and not draft.owns_cells:
                 draft.follow(target)  # it reads the target's cells: its record is the target's
             self.slots.append(Slot(target, draft, self._slot_cost, self.learnt, memory=self.memory,
                                    known_cost=self.known_device_cost))

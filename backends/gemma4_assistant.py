@@ -36,9 +36,11 @@ Here (`AssistantSequence`, behind KvSequence's seam like backends.mtp):
   - Its record is its slot's target sequence's (`follow`): it holds no cell,
     what it reads are the target's. So a strategy's prefill decodes nothing
     on it, `auto` finds it never behind (no catch-up to price), save/restore
-    and copy_prefix have nothing to move, and a slot's consistency check
-    reads the target's cells through its context (the shared cache answers
-    with them, src/llama-kv-cache.cpp:661-676).
+    and copy_prefix have nothing to move, and its context, asked for its
+    cells, answers with the target's (src/llama-kv-cache.cpp:661-676):
+    `owns_cells` is False, so the server's `kv_cells`, the slots'
+    consistency check, the prompt cache and KV files count the target's
+    cells once, through the target's sequence.
   - `syncing(context)` decodes the one row (context[-1], p, h) with
     p = len(context) - 1, h the target's row of (p - 1, context[p - 1]),
     kept by backends.mtp's HiddenStash after the target's decode (as
@@ -89,6 +91,7 @@ class AssistantSequence(KvSequence):
     """One slot's view of the assistant: no cells of its own, its record the slot's target's."""
 
     label = "mtp"
+    owns_cells = False  # its context answers with the target's cells: counted, saved and checked as the target's
 
     def __init__(self, lane: AssistantLane, stash: HiddenStash, base: int = 0, n_ids: int | None = None,
                  n_ctx: int | None = None) -> None:
@@ -220,7 +223,8 @@ class AssistantSequence(KvSequence):
         self._hi = 1
 
     def cells(self) -> int:
-        """The cells its context answers for on its main sequence: the target's (the cache is shared)."""
+        """The cells its context answers for on its main sequence: the target's (the cache is shared), which is
+        why it does not own them (`owns_cells`) and no count of a slot's cells adds these."""
         return self.ctx.pos_max(self.base) + 1
 
 

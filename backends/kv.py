@@ -95,6 +95,11 @@ class KvSequence:
     # The deepest a chain or a tree's path may be drafted, one decode per token as usual (a model's chained MTP
     # heads: one head per draft position, backends.mtp_chain); None: as deep as a strategy asks.
     depth_max: int | None = None
+    # Whether the cells its context answers for are its own. False for a drafter whose context was made with
+    # ctx_other and reads the target's cells (Gemma 4's assistant, backends.gemma4_assistant): its `cells()` are
+    # the slot's target's, so whatever counts, saves or checks a slot's cells counts such a sequence zero times,
+    # and the engine has it `follow` its slot's target sequence.
+    owns_cells: bool = True
 
     def __init__(self, lane: Lane | LlamaContext, base: int = 0, n_ids: int | None = None,
                  n_ctx: int | None = None) -> None:
@@ -343,3 +348,7 @@ class KvSequence:
     def cells(self) -> int:
         """Cells this sequence's main branch holds in llama.cpp (its last position + 1)."""
         return self.ctx.pos_max(self.base) + 1
+
+    def follow(self, target: "KvSequence") -> None:
+        """Take `target` (its slot's target sequence) as the one whose cells it reads: for a sequence that owns
+        none (`owns_cells` False); one that owns its cells has nothing to do."""

@@ -149,8 +149,9 @@ def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None 
     of a run: what it held after is the answer); None when the target holds nothing. The draft's cells are in
     where the draft holds tokens and shares at least `draft_shares` of them with the target (the prompt cache
     asks for its MIN_TOKENS: not a conversation a strategy without a draft has since replaced in the
-    target). `copy=False` keeps the buffers llama.cpp wrote the cells into (bytearrays, for an owner that
-    holds the only reference: the RAM prompt cache); otherwise they are copied to bytes."""
+    target), and owns them (`KvSequence.owns_cells`: not a drafter that reads the target's). `copy=False`
+    keeps the buffers llama.cpp wrote the cells into (bytearrays, for an owner that holds the only reference:
+    the RAM prompt cache); otherwise they are copied to bytes."""
     from backends.kv import common_prefix
 
     for seq in (target, draft):
@@ -161,7 +162,8 @@ def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None 
     own = bytes if copy else (lambda state: state)
     draft_tokens: tuple[int, ...] = ()
     draft_state: bytes = b"" if copy else bytearray()
-    if draft is not None and draft.tokens and common_prefix(draft.tokens, target.tokens) >= draft_shares:
+    if draft is not None and draft.owns_cells and draft.tokens \
+            and common_prefix(draft.tokens, target.tokens) >= draft_shares:
         draft_state = own(draft.save())  # first: an MTP head drops its drafted rows when saved
         draft_tokens = tuple(draft.tokens)
     return KvEntry(tuple(target.tokens), own(target.save()), draft_tokens, draft_state)

@@ -131,7 +131,7 @@ class PromptCache:
 
     def _put(self, target: KvSequence, draft: KvSequence | None) -> None:
         tokens = tuple(target.tokens)
-        with_draft = draft is not None and common_prefix(draft.tokens, tokens) >= MIN_TOKENS
+        with_draft = draft is not None and draft.owns_cells and common_prefix(draft.tokens, tokens) >= MIN_TOKENS
         shorter = []
         for other, kept in self._entries.items():
             if other[:len(tokens)] == tokens[:len(other)]:  # one extends the other

@@ -129,6 +129,11 @@ class Slot:
     # The device cost if it is known (cached or measured before), never measuring: for what must not wait.
     known_cost: Callable[[], DeviceCost | None] = lambda: None
 
+    def own_cells(self) -> list[KvSequence]:
+        """The sequences whose cells are their own: the target's, and the draft's unless it reads the target's
+        (`KvSequence.owns_cells`). What counts or checks a slot's cells reads these, each cell once."""
+        return [seq for seq in (self.target, self.draft) if seq is not None and seq.owns_cells]
+
     def reset(self) -> None:
         """Empty this slot's caches, the target's and the draft's (another slot's cells stay)."""
         for seq in (self.target, self.draft):

@@ -141,10 +141,7 @@ class SlotPool:
         """Whether a slot's caches hold what its record says: the main branch exactly its tokens, no scratch
         sequence a cell past it (scratch sequences may share the main branch's cells). Checked after every
         generation: one that is not is emptied (and counted in `kv_errors`), never decoded on."""
-        s = self.engine.slots[slot]
-        for seq in (s.target, s.draft):
-            if seq is None:
-                continue
+        for seq in self.engine.slots[slot].own_cells():
             n = len(seq.tokens)
             if seq.cells() != n or any(seq.ctx.pos_max(seq.base + i) >= n for i in range(1, seq.n_seq_max)):
                 return False
@@ -153,12 +150,12 @@ class SlotPool:
     def cells(self) -> tuple[int, int]:
         """(cells held, cells accounted for): every sequence id of every slot, in the target's and the draft's
         cache, against the tokens the slots' records hold. A scratch sequence's cells within its main branch
-        are the main branch's own (shared), so only what lies past it counts. Equal unless cells leaked."""
+        are the main branch's own (shared), so only what lies past it counts; a drafter that reads the target's
+        cells and owns none (`KvSequence.owns_cells`, Gemma 4's assistant) counts zero times, or the target's
+        would count twice. Equal unless cells leaked."""
         held = recorded = 0
         for s in self.engine.slots:
-            for seq in (s.target, s.draft):
-                if seq is None:
-                    continue
+            for seq in s.own_cells():
                 main = seq.cells()
                 held += main + sum(max(0, seq.ctx.pos_max(seq.base + i) + 1 - main) for i in range(1, seq.n_seq_max))
                 recorded += len(seq.tokens)

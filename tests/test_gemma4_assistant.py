@@ -175,8 +175,8 @@ def test_the_assistant_reads_the_targets_cells_and_writes_none(agreeing: Engine)
 
 def test_the_targets_cells_return_to_its_record_after_every_request(agreeing: Engine) -> None:
     """After each request the target holds exactly its record (the prompt and the output less the last token),
-    no scratch sequence a cell past it, and the slot's consistency check (which reads the assistant's context
-    too) passes."""
+    no scratch sequence a cell past it, and the slot's consistency check (which reads the target's cells once:
+    the assistant owns none) passes."""
     from backends.slot_pool import SlotPool
 
     pool = SlotPool(agreeing)
@@ -190,6 +190,38 @@ def test_the_targets_cells_return_to_its_record_after_every_request(agreeing: En
             assert pool.consistent(0), strategy
     agreeing.slots[0].reset()
     assert target.cells() == 0
+
+
+def test_the_servers_cell_count_holds_the_targets_cells_once(files: Files) -> None:
+    """The server's `kv_cells` / `kv_cached` (SlotPool.cells, after every request as /health shows them): the
+    assistant's context answers for the target's cells, which it does not own, so with it the count is the
+    target's own, as the same requests leave it with the target alone under `ar` (it was twice that)."""
+    from backends.slot_pool import SlotPool
+
+    def counts(engine: Engine, strategies: list[str]) -> list[tuple[int, int, int]]:
+        pool, out = SlotPool(engine), []
+        for i, strategy in enumerate(strategies):  # one at a time: each request's tokens as it gives them alone
+            pool.admit(strategy, StrategyOptions(sps=SPS.sps), list(PROMPTS[i % len(PROMPTS)]) + [300 + i],
+                       GenParams(max_tokens=24, temperature=0.0), lambda _e: None)
+            pool.run()
+            own = sum(len(slot.target.tokens) for slot in engine.slots)
+            assert own == sum(slot.target.cells() for slot in engine.slots) > 0
+            out.append((pool.kv_cells, pool.kv_cached, own))
+        return out
+
+    strategies = ["sps", "tree", "auto", "sps"]
+    engine = _engine(files.agreeing, n_seq_max=16, n_parallel=2)
+    alone = Engine(EngineConfig(target=files.agreeing.target, n_ctx=512, threads=1, n_seq_max=16, n_parallel=2,
+                                cost_cache=Path(""), memory=False))
+    try:
+        assert engine.draft is not None and not engine.draft.owns_cells
+        with_assistant = counts(engine, strategies)
+        plain = counts(alone, ["ar"] * len(strategies))
+    finally:
+        engine.close()
+        alone.close()
+    assert all(held == recorded == own for held, recorded, own in with_assistant), with_assistant
+    assert [c[0] for c in with_assistant] == [c[0] for c in plain], (with_assistant, plain)
 
 
 @pytest.mark.parametrize("strategy", ["sps", "tree"])
