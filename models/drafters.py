@@ -104,6 +104,43 @@ def assistant_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
                         f"{target.embedding_length}")
     if draft.vocab_size != target.vocab_size:
         problems.append(f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}")
+    if target.architecture == "gemma4":
+        problems += _assistant_layout_problems(target, draft)
+    return problems
+
+
+def _assistant_layout_problems(target: GGUFInfo, draft: GGUFInfo) -> list[str]:
+    """Where the assistant's blocks would read the target's KV cells with another layout than the target wrote
+    them in (docs/gemma4-assistant.md, "What a pair must share"). Each sliding-window block reads the cache of
+    the target's layer n_layer - 2, each full block that of layer n_layer - 1 (src/llama-model.cpp:2812-2820),
+    looked up among the target's sliding-window or full layers by the block's own kind
+    (src/llama-kv-cache-iswa.cpp:53-66, 85-105; src/llama-kv-cache.cpp:176-180), and viewed as the block's
+    own KV heads of its own head size over the target layer's rows (get_k / get_v,
+    src/llama-kv-cache.cpp:1276-1318; the width check there is a debug-only assert)."""
+    n_layer = target.block_count or 0
+    if n_layer < 2 or not draft.swa_pattern:
+        return []  # llama.cpp refuses an assistant without the pattern itself (gemma4-assistant.cpp:7)
+    problems = []
+    for slides in (True, False):
+        blocks = [i for i, s in enumerate(draft.swa_pattern) if s == slides]
+        if not blocks:
+            continue
+        layer = n_layer - 2 if slides else n_layer - 1
+        kind = "sliding-window" if slides else "full"
+        t_slides, t_heads, t_size = target.kv_layout(layer)
+        if target.swa_pattern and t_slides != slides:
+            problems.append(f"its {kind} blocks read the target's layer {layer}, which is "
+                            f"{'a full' if slides else 'a sliding-window'} layer (attention.sliding_window_pattern)")
+            continue
+        heads = sorted({h for h in (draft.kv_layout(i)[1] for i in blocks) if h is not None and h != t_heads})
+        if heads and t_heads is not None:
+            problems.append(f"its {kind} blocks read the target's layer {layer} as {'/'.join(map(str, heads))} KV "
+                            f"head{'s' if heads != [1] else ''}, the layer has {t_heads} (attention.head_count_kv)")
+        size = draft.kv_layout(blocks[0])[2]
+        if size is not None and t_size is not None and size != t_size:
+            key = "attention.key_length_swa" if slides else "attention.key_length"
+            problems.append(f"its {kind} blocks read the target's layer {layer} in KV heads of {size}, the "
+                            f"layer's are of {t_size} ({key})")
     return problems
 
 

@@ -74,6 +74,23 @@ class GGUFInfo:
     # The width of the hidden rows a Gemma 4 assistant reads and gives (`{arch}.embedding_length_out`: its
     # target's hidden size, conversion/gemma.py:950); None where the file does not say.
     embedding_length_out: int | None = None
+    # The attention layout, as llama.cpp reads it (src/llama-model.cpp:1396-1404, 1436-1466): each layer's KV
+    # heads (`{arch}.attention.head_count_kv`, one number or one a layer; `head_count`'s where absent), the head
+    # size of full and of sliding-window layers (`attention.key_length`, default embedding_length / head_count;
+    # `attention.key_length_swa`, default key_length) and which layers slide (`attention.sliding_window_pattern`;
+    # () where the file has none). A Gemma 4 assistant reads its target's KV cells with its own layout
+    # (models.drafters.assistant_problems).
+    head_count_kv: tuple[int, ...] = ()
+    key_length: int | None = None
+    key_length_swa: int | None = None
+    swa_pattern: tuple[bool, ...] = ()
+
+    def kv_layout(self, layer: int) -> tuple[bool, int | None, int | None]:
+        """(slides, KV heads, head size) of `layer`: what llama.cpp's KV views of it are made of
+        (llama_hparams::n_head_kv, n_embd_head_k: src/llama-hparams.cpp:58-64, 140-146); None where unknown."""
+        slides = bool(self.swa_pattern[layer]) if layer < len(self.swa_pattern) else False
+        heads = self.head_count_kv[layer] if layer < len(self.head_count_kv) else None
+        return slides, heads, self.key_length_swa if slides else self.key_length
 
     @property
     def vocab_size(self) -> int:
@@ -170,6 +187,32 @@ def _dflash_fields(meta: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
     }
 
 
+def _per_layer(value: Any, n_layer: int) -> tuple[int, ...]:
+    """A key llama.cpp reads with get_key_or_arr (src/llama-model-loader.cpp): one number for every layer, or
+    one a layer."""
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),) * n_layer
+
+
+def _attention_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The attention layout's fields of GGUFInfo, with llama.cpp's defaults (src/llama-model.cpp:1396-1466)."""
+    n_layer = int(meta.get(f"{arch}.block_count") or 0)
+    heads = _per_layer(meta.get(f"{arch}.attention.head_count"), n_layer)
+    kv_heads = _per_layer(meta.get(f"{arch}.attention.head_count_kv"), n_layer) or heads
+    n_embd = meta.get(f"{arch}.embedding_length")
+    key_length = meta.get(f"{arch}.attention.key_length")
+    if key_length is None and heads and heads[0] > 0 and n_embd:
+        key_length = int(n_embd) // heads[0]
+    key_length_swa = meta.get(f"{arch}.attention.key_length_swa")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    return {"head_count_kv": kv_heads, "key_length": key_length,
+            "key_length_swa": key_length if key_length_swa is None else int(key_length_swa),
+            "swa_pattern": tuple(bool(v) for v in pattern) if isinstance(pattern, list) else ()}
+
+
 def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
     """Check a parsed header and describe the model. `size` is the whole file's size in bytes."""
     where = str(path)
@@ -213,6 +256,7 @@ def info_from_header(path: Path, header: GGUFHeader, size: int) -> GGUFInfo:
         draft_vocab=next((t.n_elements for t in header.tensors if t.name == "d2t"), 0),
         **(_dflash_fields(meta, {t.name for t in header.tensors}) if arch == "dflash" else {}),
         embedding_length_out=meta.get(f"{arch}.embedding_length_out"),
+        **_attention_fields(meta, arch),
     )
 
 

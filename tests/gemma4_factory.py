@@ -35,7 +35,7 @@ so at head_noise 0 a draft row (t, h) predicts f(t).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
@@ -62,6 +62,7 @@ class Gemma4Pair:
     residual: float = 0.3
     head_noise: float = 0.3
     logit_scale: float = 1.0
+    swa_pattern: tuple[bool, ...] | None = None  # which layers slide; None: every one but the last
 
     def __post_init__(self) -> None:
         if self.n_embd_assistant <= self.n_embd:
@@ -72,6 +73,9 @@ class Gemma4Pair:
             raise ValueError("n_head must be a multiple of n_head_kv")
         if self.residual < 0 or self.head_noise < 0:
             raise ValueError("residual and head_noise must be >= 0")
+
+    def pattern(self, n: int) -> list[bool]:
+        return list(self.swa_pattern) if self.swa_pattern is not None else _swa_pattern(n)
 
 
 def _swa_pattern(n: int) -> list[bool]:
@@ -96,16 +100,19 @@ def _header(w: gguf.GGUFWriter, arch: str, m: Gemma4Pair, n_embd: int, n_layer: 
     w.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(m.sliding_window)
-    w.add_array(f"{arch}.attention.sliding_window_pattern", _swa_pattern(n_layer))
+    w.add_array(f"{arch}.attention.sliding_window_pattern", m.pattern(n_layer))
     w.add_uint32(f"{arch}.attention.shared_kv_layers", 0)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
 def write_gemma4_pair(target_path: str | Path, assistant_path: str | Path, seed: int = 0,
                       model: Gemma4Pair = Gemma4Pair(), vocab: Vocab | None = None,
-                      backbone: int | None = None) -> tuple[Path, Path]:
+                      backbone: int | None = None, assistant: Gemma4Pair | None = None) -> tuple[Path, Path]:
     """Write a gemma4 target and a gemma4-assistant for it (same tokenizer). `backbone` overrides the assistant's
-    embedding_length_out key alone (an assistant built for another target width: for tests of its refusal)."""
+    embedding_length_out key alone (an assistant built for another target width: for tests of its refusal);
+    `assistant` gives the assistant's own attention (heads, KV heads, head size, layer pattern) where it should
+    differ from `model`'s (an assistant built for another target's layers; its widths and weights stay
+    `model`'s)."""
     m = model
     vocab = vocab or spm_vocab()
     rng = np.random.default_rng(seed)
@@ -147,9 +154,11 @@ def write_gemma4_pair(target_path: str | Path, assistant_path: str | Path, seed:
     # --- assistant: gemma4-assistant, width a > d
     arch = ASSISTANT_ARCH
     na = m.n_assistant_layers
+    ma = assistant or m
+    q_dim, rope_freqs = ma.n_head * ma.head_dim, np.ones(ma.head_dim // 2, dtype=np.float32)
     w = gguf.GGUFWriter(str(assistant_path), arch)
     w.add_name("tiny-gemma4-assistant")
-    _header(w, arch, m, a, na)
+    _header(w, arch, replace(ma, n_ctx=m.n_ctx, n_ff=m.n_ff, sliding_window=m.sliding_window), a, na)
     w.add_uint32(f"{arch}.embedding_length_out", d if backbone is None else backbone)
     w.add_uint32(f"{arch}.nextn_predict_layers", na)
     add_vocab(w, vocab)
@@ -170,7 +179,7 @@ def write_gemma4_pair(target_path: str | Path, assistant_path: str | Path, seed:
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(a, dtype=np.float32))
         w.add_tensor(f"blk.{i}.attn_q.weight", rand((q_dim, a), 1.0 / np.sqrt(a)))
         w.add_tensor(f"blk.{i}.attn_output.weight", rand((a, q_dim), 1.0 / np.sqrt(q_dim)))
-        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(m.head_dim, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(ma.head_dim, dtype=np.float32))
         w.add_tensor(f"blk.{i}.post_attention_norm.weight", noise)
         w.add_tensor(f"blk.{i}.layer_output_scale.weight", np.ones(1, dtype=np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(a, dtype=np.float32))

@@ -53,6 +53,29 @@ class Files:
     small: Pair  # a 12-token vocabulary, for the chi-square test
     narrow: Pair  # an assistant built for a target of another width
     llama: Path  # a target of another architecture
+    # Pairs whose assistant reads the target's KV cells with another layout, each differing in one field alone:
+    # the assistant's KV heads, its head size, the target's sliding-window pattern (LAYOUTS).
+    layouts: dict[str, Pair]
+
+
+# Each layout mismatch, the field named in its refusal, and the words of it.
+LAYOUTS = {
+    "head_count_kv": (dict(assistant=Gemma4Pair(n_head_kv=1)),
+                      ["its sliding-window blocks read the target's layer 0 as 1 KV head, the layer has 2 "
+                       "(attention.head_count_kv)",
+                       "its full blocks read the target's layer 1 as 1 KV head, the layer has 2 "
+                       "(attention.head_count_kv)"]),
+    "key_length": (dict(assistant=Gemma4Pair(head_dim=16)),
+                   ["its sliding-window blocks read the target's layer 0 in KV heads of 16, the layer's are of 32 "
+                    "(attention.key_length_swa)",
+                    "its full blocks read the target's layer 1 in KV heads of 16, the layer's are of 32 "
+                    "(attention.key_length)"]),
+    "sliding_window_pattern": (dict(model=Gemma4Pair(swa_pattern=(False, True)), assistant=Gemma4Pair()),
+                               ["its sliding-window blocks read the target's layer 0, which is a full layer "
+                                "(attention.sliding_window_pattern)",
+                                "its full blocks read the target's layer 1, which is a sliding-window layer "
+                                "(attention.sliding_window_pattern)"]),
+}
 
 
 def _pair(d: Path, name: str, model: Gemma4Pair, **kw) -> Pair:
@@ -68,7 +91,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
                  small=_pair(d, "small", Gemma4Pair(residual=0.3, head_noise=0.3, logit_scale=0.35),
                              vocab=spm_vocab(TINY_VOCAB_WORDS, with_bytes=False)),
                  narrow=_pair(d, "narrow", Gemma4Pair(), backbone=48),
-                 llama=write_llama_gguf(d / "llama.gguf"))
+                 llama=write_llama_gguf(d / "llama.gguf"),
+                 layouts={name: _pair(d, name, **({"model": Gemma4Pair()} | kw))
+                          for name, (kw, _) in LAYOUTS.items()})
 
 
 def _engine(pair: Pair, **kw) -> Engine:
@@ -111,6 +136,40 @@ def test_a_mismatched_pair_is_refused_in_one_line(files: Files, which: str) -> N
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"draft {pair.assistant.name} cannot speculate for target")
     assert ("hidden states of 48" if which == "narrow" else "this one is llama") in line
+
+
+def test_the_headers_say_each_files_kv_layout(files: Files) -> None:
+    """GGUFInfo reads the fields llama.cpp lays a layer's KV cells out by (src/llama-model.cpp:1396-1466)."""
+    target, assistant = (validate_gguf(p) for p in (files.agreeing.target, files.agreeing.assistant))
+    assert target.swa_pattern == assistant.swa_pattern == (True, False)
+    assert target.head_count_kv == assistant.head_count_kv == (2, 2)
+    assert (target.key_length, target.key_length_swa) == (assistant.key_length, assistant.key_length_swa) == (32, 32)
+    assert [target.kv_layout(i) for i in range(2)] == [(True, 2, 32), (False, 2, 32)]
+    assert validate_gguf(files.layouts["head_count_kv"].assistant).head_count_kv == (1, 1)
+
+
+@pytest.mark.parametrize("field", list(LAYOUTS))
+def test_an_assistant_built_for_other_layers_is_refused_in_one_line(files: Files, field: str) -> None:
+    """The assistant views the target's KV cells with its own KV heads and head size, and finds the layer it
+    reads among the target's layers of its own kind: a pair that differs in one of these fields is refused
+    before anything loads, by `models check`, the engine and `specchat run`, each in one line naming the field;
+    the matching pair passes."""
+    pair, want = files.layouts[field], LAYOUTS[field][1]
+    target, assistant = validate_gguf(pair.target), validate_gguf(pair.assistant)
+    assert check_pair(target, assistant).problems == tuple(want)
+    assert check_pair(validate_gguf(files.agreeing.target), validate_gguf(files.agreeing.assistant)).ok
+    with pytest.raises(ModelError) as e:
+        _engine(pair)
+    assert "\n" not in str(e.value) and str(e.value).endswith("; ".join(want))
+    r = _cli("models", "check", str(pair.target), str(pair.assistant))  # its list: one line a problem
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1 and lines[2].startswith("incompatible:") and lines[3:] == [f"  - {w}" for w in want], \
+        r.stdout
+    r = _cli("run", "the cat sat", "-m", str(pair.target), "-md", str(pair.assistant), "-t", "1", "-n", "4",
+             "--no-memory")
+    errors = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(errors) == 1 and f"attention.{field}" in errors[0], r.stderr[-2000:]
+    assert errors[0].endswith("; ".join(want)), errors[0]
 
 
 def test_the_assistant_drafts_for_its_target(agreeing: Engine) -> None:
