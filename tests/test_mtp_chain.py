@@ -115,6 +115,41 @@ def test_the_chain_drafts_what_llama_cpp_drafts(chained: Path) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_generation_drafts_and_accepts_what_llama_servers_loop_does(arch: str, tmp_path: Path) -> None:
+    """Whole greedy generations, counted as llama-server's `timings` count them: specchat's `sps` (K 3, p_min
+    0, K fixed) drafts and accepts, prompt for prompt, exactly what llama-server's draft-mtp loop replayed on
+    the same build does (tests/llama_server_mtp.py) once that loop also drafts for the first output token, as
+    sps does and llama-server does not (it samples that token from the prompt's logits); with llama-server's
+    own schedule the tokens are the same and the steps fall elsewhere (docs/mtp-chain.md). The file is the
+    chained fixture tests/perf/drafter_fixtures.py writes, whose heads agree with the target often enough
+    that accepting (and so pending_h = the target's row n) runs."""
+    from backends.config import StrategyOptions
+    from backends.sampling import GenParams
+    from backends.strategies.sps import SpsConfig
+    from engine_helpers import run_to_done
+    from llama_server_mtp import ChainedMtpServer
+
+    path = write_chained_mtp_target(tmp_path / f"{arch}.gguf", ChainModel(architecture=arch))
+    options = StrategyOptions(sps=SpsConfig(draft_max=3, p_min=0.0, adaptive=False))
+    engine = Engine(EngineConfig(target=path, n_ctx=512, threads=1, cost_cache=Path(""), memory=False))
+    server = ChainedMtpServer(path, k=3, n_ctx=512)
+    try:
+        ours, replayed, schedule = [], [], []
+        for prompt in PROMPTS:
+            done = run_to_done(engine, "sps", list(prompt), GenParams(max_tokens=32, temperature=0.0), options)
+            ours.append((list(done.tokens), done.stats.drafted, done.stats.accepted))
+            same = server.generate(list(prompt), 32, draft_first=True)
+            replayed.append((same.tokens, same.drafted, same.accepted))
+            schedule.append(server.generate(list(prompt), 32))
+        assert ours == replayed
+        assert all(g.tokens == t for g, (t, _, _) in zip(schedule, ours))
+        assert sum(a for _, _, a in ours) > 10, "drafts were accepted: the accepting path ran"
+    finally:
+        server.close()
+        engine.close()
+
+
 def test_models_info_says_the_heads_chain(chained: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["models", "info", str(chained), "--json"])
     data = json.loads(capsys.readouterr().out)
