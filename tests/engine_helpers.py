@@ -99,6 +99,12 @@ def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
     return min(greedy_gaps(engine, prompt, out))
 
 
+def parting(a: Sequence[int], b: Sequence[int]) -> int:
+    """Where two different outputs part: the first index that differs, or the shorter length where one is a
+    prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
                          what: str = "", noise: float = BATCH_NOISE, grammar: Grammar | None = None) -> None:
     """`got` is `want` (a greedy answer to `prompt`) token for token, or parts from it only at a near-tie: where
@@ -109,7 +115,7 @@ def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int],
     want, got = tuple(want), tuple(got)
     if got == want:
         return
-    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    i = parting(want, got)
     if i < len(want):
         gap = greedy_gaps(engine, prompt, want[:i + 1], grammar)[i]
     else:  # `want` ended there: its end token against the best other
@@ -130,7 +136,7 @@ def divergences_from_alone(alone: Engine, jobs: list[tuple[str, list[int], GenPa
         assert isinstance(done, Done) and done.reason in ("length", "eos"), done
         want = run_to_done(alone, "ar", prompt, params).tokens
         if done.tokens != want:
-            i = next(i for i, (a, b) in enumerate(zip(done.tokens + (-1,), want + (-1,))) if a != b)
+            i = parting(done.tokens, want)
             divergences.append((strategy, i, top2_gap(alone, prompt + list(want[:i]))))
             print(f"divergence: {strategy} at output token {i}, top-2 logit gap alone {divergences[-1][2]:.5f}")
     return divergences
