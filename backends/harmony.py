@@ -29,16 +29,30 @@ analysis never closed (at the end of the output, all of it is reasoning, as
 llama.cpp's lenient parse has it), to a model that goes straight to `final`,
 and to one that does not write harmony at all (its text is the answer).
 Like the tag splitter, it trims each analysis message and the answer's start.
+
+Under a grammar (a response_format, a required or named tool call) gpt-oss
+may write analysis messages first, as llama.cpp's grammar has it
+(common/parsers/gpt-oss.cpp:97-135, not lazy, the generation prompt's
+`<|start|>assistant` fed to it first: common/sampling.cpp:278-308):
+`(<|start|>assistant analysis)* <|start|>assistant` and then the final
+channel's header and the answer, or the call's header and its arguments.
+`opening_grammar` is what the model may write at such a message's start:
+an analysis header (the analysis itself is free text, backends.reasoning
+runs it as its thinking phase), or the answer's header and the answer under
+its grammar. `marker_terminal` writes a marker the way the vocabulary has it
+(gpt-oss's are control tokens, which a grammar must name by id).
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from backends.events import Channel
 
 if TYPE_CHECKING:
+    from backends.grammar import Grammar
     from backends.reasoning import ReasoningFormat
 
 CHANNEL = "<|channel|>"
@@ -256,3 +270,56 @@ class AsWritten(HarmonySplitter):
         if self._body == CONTENT:
             return "", piece
         return super()._release(piece, final, tag)
+
+
+# -- under a grammar: analysis first, then the answer ---------------------------------------------------------------
+
+_MARKER = re.compile(r"(<\|[a-z]+\|>)")
+
+
+def marker_terminal(model: object) -> Callable[[str], str]:
+    """A marker's Lark terminal for a model (backends.llama.LlamaModel, or anything with its tokenize and piece):
+    a marker that is one control token (its piece empty unless rendered special, as gpt-oss's `<|channel|>`) is
+    that token, by id; any other text, a Lark string (SmolLM2 spells the markers with ordinary tokens)."""
+    def terminal(text: str) -> str:
+        ids = model.tokenize(text, add_special=False, parse_special=True)  # type: ignore[attr-defined]
+        if len(ids) == 1 and not model.piece(ids[0]) and model.piece(ids[0], True):  # type: ignore[attr-defined]
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+    return terminal
+
+
+def lark_text(text: str, marker: Callable[[str], str]) -> str:
+    """Harmony text as a Lark sequence: each marker through `marker`, the text between as strings."""
+    parts = [marker(p) if _MARKER.fullmatch(p) else json.dumps(p) for p in _MARKER.split(text) if p]
+    return " ".join(parts) if parts else '""'
+
+
+def opening_grammar(grammar: "Grammar", header: str, marker: Callable[[str], str], lead: str = "") -> "Grammar":
+    """What gpt-oss may write at a message's start where `grammar` holds the answer after `header` (the final
+    channel's, or a call's: harmony_tools.forced_header), as llama.cpp's grammar has it (gpt-oss.cpp:97-135):
+    an analysis header, after which anything (backends.reasoning ends the phase at it, a stop string, and thinks
+    freely up to `<|end|>`), or the answer's header and the answer. `header` is what follows `<|start|>assistant`;
+    `lead`: what of that start is the model's to write (all of it after an analysis it ended itself; none where
+    the generation prompt wrote it). The final header may carry a constraint (` <|constrain|>json`), as
+    llama.cpp's grammar allows."""
+    from backends.grammar import ANSWER, GrammarError, _first_line  # llguidance only where a grammar is in use
+
+    import llguidance
+
+    text = grammar.text.strip()
+    top = json.loads(text) if text.startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    first, *others = top["grammars"]
+    answer = lark_text(header, marker)
+    if header.endswith(f"{CHANNEL}final{MESSAGE}"):
+        constraint = f'(" " {marker("<|constrain|>")}? CONSTRAINT)?'
+        answer = f"{lark_text(header[:-len(MESSAGE)], marker)} {constraint} {marker(MESSAGE)}"
+    lark = (f"start: {lark_text(lead, marker) + ' ' if lead else ''}(opener | {answer} @{ANSWER})\n"
+            f"opener: {lark_text(ANALYSIS, marker)} ANY\n"
+            "CONSTRAINT: /[A-Za-z0-9_-]+/\nANY: /(?s:.*)/\n")
+    text = json.dumps({**top, "grammars": [{"name": "harmony_opening", "lark_grammar": lark},
+                                           {**first, "name": ANSWER}, *others]})
+    error = llguidance.LLMatcher.validate_grammar(text, grammar.tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot follow an analysis: {_first_line(error)}")
+    return type(grammar)(grammar.kind, text, grammar.tokenizer, grammar.n_vocab)

@@ -224,16 +224,8 @@ class Thinking:
         # The tags as the output's text shows them, control tokens included (backends.text.rendering; the
         # strategies' runs render them so too, so that the end tag ends the thinking phase as a stop string).
         run = PhaseRun(self.inner, prompt, params, should_stop, new_splitter(fmt), rendering(self.model, fmt.tags))
-        if params.grammar is not None and not fmt.opened and fmt.channels:
-            # harmony under a grammar from the first token: the final channel's header is forced, no analysis.
-            run.splitter.close()
-            header = self._unwritten(fmt.after, prompt, run.piece) if fmt.after.strip() else ""
-            if not header:
-                yield from run.relay(self.inner.steps(prompt, params, should_stop))
-                run.first = run.ends[-1]
-                yield run.done([], None)
-                return
-            yield from self._answer(run, params, (yield from self._end(run, False, header)))
+        if params.grammar is not None and fmt.channels:
+            yield from self._harmony(run)
             return
         answer, budget, tagged = params, params.reasoning_budget, False
         if not fmt.opened and not fmt.channels and (params.grammar is not None or budget is not None):
@@ -271,6 +263,51 @@ class Thinking:
             forced = yield from self._end(run, *ended)
         yield from self._answer(run, answer, forced)
 
+    def _harmony(self, run: PhaseRun) -> Steps:
+        """gpt-oss under a grammar (a response_format, a required or named call): analysis messages first, free
+        text, then the answer's header (`fmt.after`: the final channel's, or the call's) and the answer under the
+        grammar, as llama.cpp's grammar has it (common/parsers/gpt-oss.cpp:97-135, `(start analysis)* start
+        answer`, not lazy). At each message's start the model writes an analysis header or the answer's
+        (backends.harmony.opening_grammar); an analysis it ends itself (`<|end|>`) is followed by another such
+        start; under a budget, one spent inside an analysis forces its end and the answer's header (llama-server
+        forces `<|end|>` alone: docs/serve.md), and each analysis has a budget of its own, counted from its
+        header's own tokens as llama.cpp's budget sampler counts (reasoning-budget.cpp:78-160)."""
+        from backends.harmony import START, marker_terminal, opening_grammar  # llguidance only under a grammar
+
+        params, fmt, splitter = run.params, run.params.reasoning, run.splitter
+        assert fmt is not None and params.grammar is not None
+        marker = marker_terminal(self.model)
+        header = fmt.after[len(START):] if fmt.after.startswith(START) else fmt.after
+        thinking = fmt.opened  # the prompt opened the analysis: llama.cpp's budget saw its header (the prefill)
+        if not thinking and not self._unwritten(fmt.after, run.prompt, run.piece):
+            # The prompt wrote the answer's header itself (a continued answer): the grammar holds the rest.
+            yield from run.relay(self.inner.steps(run.prompt, params, run.should_stop))
+            run.first = run.ends[-1]
+            yield run.done([], None)
+            return
+        tagged = thinking
+        while True:
+            if not thinking:
+                # What of `<|start|>assistant` is the model's: none after the generation prompt, all of it after an
+                # analysis it ended itself.
+                lead = self._unwritten(START, run.prompt + run.written, run.piece)
+                opened = yield from self._opening(run, opening_grammar(params.grammar, header, marker, lead))
+                if opened is None:
+                    return  # the answer, at once
+                tagged, answer = opened
+                if answer is not params:  # the analysis header inside the answer (a JSON string): it goes on
+                    yield from self._answer(run, answer, [])
+                    return
+            # A header spelt with other tokens than its own is not seen by llama.cpp's budget: unbounded.
+            ended = yield from self._thinking(run, params.reasoning_budget if tagged else None, tagged)
+            if ended is None:
+                return
+            spent = ended[0]
+            if spent:
+                break
+            thinking = False  # the model ended its analysis: another message follows
+        yield from self._answer(run, params, (yield from self._end(run, spent, "")))
+
     def _opening(self, run: PhaseRun,
                  grammar: "Grammar | None") -> Generator[Event, object, tuple[bool, GenParams] | None]:
         """Where the model opens the block itself (Qwen3), under a budget or a grammar: the phases up to its start
@@ -284,6 +321,7 @@ class Thinking:
         params, fmt, splitter = run.params, run.params.reasoning, run.splitter
         assert fmt is not None
         tag = self._tokens(fmt.start)
+        begun = len(run.written)  # what the phases before this one wrote (the grammar starts after it)
         while True:
             steps = run.start(replace(params, stop=(fmt.start, *params.stop), grammar=grammar))
             if steps is None:
@@ -306,7 +344,7 @@ class Thinking:
         if grammar is not None and not splitter.thinking:
             # The tag inside the answer (a JSON string): the answer goes on under its grammar, which the opening
             # phase began.
-            return tagged, replace(params, grammar=grammar.after(written))
+            return tagged, replace(params, grammar=grammar.after(written[begun:]))
         return tagged, params
 
     def _thinking(self, run: PhaseRun, budget: int | None, tagged: bool,
@@ -324,10 +362,13 @@ class Thinking:
         thinking = replace(params, max_tokens=cap, stop=(fmt.end, *params.stop), grammar=None, reasoning_phase=True,
                            ignore_eos=params.ignore_eos or self._answer_required(params))
         phase = yield from run.phase(thinking)
-        if run.after_tag(phase, fmt.end) is not None:
+        rest = run.after_tag(phase, fmt.end)
+        if rest is not None:
             # The end tag ends the block; one that text of the answer's came before (the block is the answer's,
-            # as llama.cpp's parser reads it: the optional block must come first) is text.
+            # as llama.cpp's parser reads it: the optional block must come first) is text. What the tag's last
+            # token wrote after it goes on (SmolLM2's `><` ends harmony's `<|end|>` and starts the next header).
             run.carried((splitter.close(), "") if splitter.thinking else splitter.push(fmt.end))
+            run.carried(splitter.push(rest))
             return False, fmt.after if params.grammar is not None and fmt.after.strip() else ""
         if phase.reason != "length" or len(run.written) >= params.max_tokens:
             yield run.done([], None)  # the answer's end: eos, a stop, an error

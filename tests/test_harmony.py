@@ -23,7 +23,9 @@ nothing), and on real llama.cpp: SmolLM2-Instruct re-packed with gpt-oss's
 template (tests/data/templates), as is (the model writes no channel: its
 text is the answer) and with its generation prompt opening the analysis
 channel (llama.cpp's prompt for continuing a reasoning, test-chat.cpp:7011),
-through the engine, `specchat run --json` and `specchat serve`.
+through the engine, `specchat run --json` and `specchat serve`. Under a
+grammar (the model thinks in analysis messages, then answers under it):
+tests/test_harmony_grammar.py.
 """
 
 from __future__ import annotations
@@ -246,16 +248,6 @@ class Model:
         return (self.special if special else self.pieces)[token]
 
 
-class AnyToken:
-    """A grammar stand-in: every token allowed from its start (Thinking reads whether the answer may be empty)."""
-
-    def start(self) -> "AnyToken":
-        return self
-
-    def allowed(self) -> list[bool]:
-        return [True] * (max(VOCAB.values()) + 1)
-
-
 class Inner:
     """A strategy that writes `script(prompt)`, up to max_tokens, and stops at a stop string as strategies do
     (the tokens include the stop's, the text does not), its text rendered as their runs render it."""
@@ -319,22 +311,6 @@ def test_a_budget_forces_the_end_and_the_final_header() -> None:
     assert [t.source for t in tokens if t.source == "grammar"] == ["grammar"] * len(forced)
     assert [t.channel for t in tokens][-len(forced) - 1:] == ["content"] * (len(forced) + 1)
     assert done.stats.tokens_by_source["grammar"] == len(forced)
-
-
-def test_a_grammar_on_the_answer_gets_the_final_header_forced_first() -> None:
-    """A grammar holds the answer, so the model could not write the final channel's header: it is forced, the
-    part the prompt has not written (`<|channel|>final<|message|>` after the prompt's `<|start|>assistant`), or
-    all of it after an analysis the model ended itself (a vocabulary that spells `<|end|>`: a stop string)."""
-    grammar = AnyToken()
-    model = Model()
-    tokens, done = _generate(model, lambda prompt: [9] if prompt[-2:] == [8, 3] else [4, 4],
-                             GenParams(max_tokens=16, reasoning=HARMONY, grammar=grammar))
-    assert (done.tokens, done.reasoning, done.text) == ((1, 8, 3, 9), "", "answer")
-    spelled = Model(end_visible=True)
-    tokens, done = _generate(spelled, lambda prompt: [9] if prompt[-2:] == [8, 3] else [4, 5, 10],
-                             GenParams(max_tokens=16, reasoning=OPEN, grammar=grammar), prompt=(6, 7, 1, 2, 3))
-    assert done.tokens == (4, 5, 6, 7, 1, 8, 3, 9)
-    assert (done.reasoning, done.text) == ("plan", "answer")
 
 
 # --- real llama.cpp: SmolLM2 with gpt-oss's template ---

@@ -12,10 +12,15 @@ rendered for the parse). The prompt is gpt-oss's template's own rendering of
 the tools and of earlier calls and their results.
 
 End to end: SmolLM2-Instruct re-packed with gpt-oss's template (test_harmony's
-`oss_files`) under `specchat serve`, driven with the `openai` client. SmolLM2
-writes no harmony of its own, so a call is what tool_choice named or required
-forces (the call's header, then the grammar over the name and the arguments);
-with tools offered and the choice left to it, its plain answer is content.
+`oss_files`) under `specchat serve`, driven with the `openai` client. Under
+tool_choice named or required, and under a response_format, the model may write
+analysis messages first, as llama.cpp's grammar lets it (gpt-oss.cpp:97-135),
+then the answer's header (the final channel's, a call's) and the answer under
+the grammar. SmolLM2 left free calls at once on some questions, and on others
+thinks on in analysis messages: a reasoning budget ends an analysis whose
+header it wrote with the header's own tokens (llama.cpp's budget waits for
+those), not one it spelt otherwise. With tools offered and the choice left to
+it, its plain answer is content.
 """
 
 from __future__ import annotations
@@ -234,40 +239,47 @@ MODEL = "smollm2-gpt-oss"
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-def _stream_calls(served, **kw) -> tuple[list[dict], str, str | None]:
+# A budget ends the analysis (see the module): the call follows it within max_tokens.
+BOUNDED = {"max_tokens": 200, "extra_body": {"reasoning_budget_tokens": 16}}
+
+
+def _stream_calls(served, **kw) -> tuple[list[dict], str, str | None, str]:
     calls: dict[int, dict] = {}
-    content, finish = "", None
+    content, finish, reasoning = "", None, ""
     for chunk in served.client().chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS, stream=True,
                                                          temperature=0, **kw):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             finish = choice.finish_reason or finish
             for tc in choice.delta.tool_calls or []:
                 assert tc.index not in calls, "a call is sent whole, once"
                 calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
-    return [calls[i] for i in sorted(calls)], content, finish
+    return [calls[i] for i in sorted(calls)], content, finish, reasoning
 
 
 def test_serve_named_tool_choice_returns_the_call(served) -> None:
-    """Named: the call's header is forced and its arguments follow the function's schema; the answer is that call,
-    finish_reason tool_calls, no content; streamed, the same call once."""
+    """Named: at the message's start the model may open an analysis or write the call's header; on this question
+    SmolLM2 calls at once, its arguments under the function's schema: the answer is that call, finish_reason
+    tool_calls, no content; streamed, the same call once."""
     choice = {"type": "function", "function": {"name": "get_weather"}}
     answer = served.client().chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS, temperature=0,
-                                                     tool_choice=choice).choices[0]
+                                                     tool_choice=choice, **BOUNDED).choices[0]
     assert answer.finish_reason == "tool_calls" and not answer.message.content
     [call] = answer.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
-    calls, content, finish = _stream_calls(served, tool_choice=choice)
+    calls, content, finish, _ = _stream_calls(served, tool_choice=choice, **BOUNDED)
     assert (finish, content) == ("tool_calls", "")
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
 
 
 def test_serve_required_picks_one_of_the_tools(served) -> None:
-    """Required over two tools: the grammar picks the name; the call parses and matches its function's schema."""
+    """Required over two tools: the model may think first; on this question it writes the call's header at once,
+    the grammar picks the name, and the call parses and matches its function's schema."""
     answer = served.client().chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS, temperature=0,
-                                                     tool_choice="required").choices[0]
+                                                     tool_choice="required", **BOUNDED).choices[0]
     assert answer.finish_reason == "tool_calls"
     [call] = answer.message.tool_calls
     arguments = json.loads(call.function.arguments)
@@ -275,6 +287,29 @@ def test_serve_required_picks_one_of_the_tools(served) -> None:
         assert arguments["tz"] in ("UTC", "CET")
     else:
         assert call.function.name == "get_weather" and isinstance(arguments["city"], str)
+
+
+def test_serve_a_schema_answer_comes_after_the_analysis(served) -> None:
+    """response_format: the model thinks in analysis messages (free text, no JSON), the budget ends the one it
+    began with the header's own tokens, and the final message is JSON matching the schema; whole and streamed
+    alike."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    ask = [{"role": "user", "content": "What is 17 times 3? Answer in JSON."}]
+    kw = dict(model=MODEL, messages=ask, temperature=0, max_tokens=200,
+              response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+              extra_body={"reasoning_budget_tokens": 16, "reasoning_effort": "low"})
+    answer = served.client().chat.completions.create(**kw).choices[0]
+    reasoning = (answer.message.model_extra or {}).get("reasoning_content")
+    assert answer.finish_reason == "stop" and reasoning and "<|" not in reasoning
+    jsonschema.validate(json.loads(answer.message.content), schema)
+    streamed = ["", ""]
+    for chunk in served.client().chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[0] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed[1] += choice.delta.content or ""
+    assert streamed == [reasoning, answer.message.content]
 
 
 def test_serve_a_plain_answer_with_tools_offered_is_content(served) -> None:
@@ -285,7 +320,7 @@ def test_serve_a_plain_answer_with_tools_offered_is_content(served) -> None:
                                                      max_tokens=64, stop=["\n"]).choices[0]
     assert answer.message.content and not answer.message.tool_calls
     assert answer.finish_reason == "stop"
-    calls, content, finish = _stream_calls(served, max_tokens=64, stop=["\n"])
+    calls, content, finish, _ = _stream_calls(served, max_tokens=64, stop=["\n"])
     assert (calls, content, finish) == ([], answer.message.content, "stop")
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -328,5 +363,10 @@ def test_serve_a_prompt_that_opens_the_analysis_thinks_before_the_forced_call(os
         assert (answer.message.model_extra or {}).get("reasoning_content")
         [call] = answer.message.tool_calls
         assert call.function.name == "get_time" and json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+        answer = served.client().chat.completions.create(
+            model="smollm2-gpt-oss-open", messages=ASK, tools=OPENAI_TOOLS, temperature=0, tool_choice="required",
+            extra_body={"reasoning_budget_tokens": 6}).choices[0]
+        assert answer.finish_reason == "tool_calls" and (answer.message.model_extra or {}).get("reasoning_content")
+        assert [c.function.name in ("get_time", "get_weather") for c in answer.message.tool_calls] == [True]
     finally:
         stop_server(served)

@@ -23,15 +23,36 @@ it (`HarmonyToolStream`), so the answer's split is untouched. A call streams
 once it is whole: at its message's end, or at the output's end (gpt-oss's
 `<|call|>` ends the generation and is not text).
 
-`tool_choice` required or named: llama.cpp's grammar (gpt-oss.cpp:131-132,
-not lazy) lets the model write analysis messages first and then holds it to
-a call. specchat's thinking wrapper runs a grammar on the answer only and,
-where the prompt does not open the analysis, forces the answer's header
-first (as for response_format: backends.reasoning.Thinking); here that
-header is the call's, up to the function's name (`forced_header`), and the
-grammar (`grammar`) holds the rest: the name among the offered tools, the
-`<|constrain|>json<|message|>` and arguments that match the function's
-schema. So under required/named the model calls at once, without analysis.
+`tool_choice` required or named: llama.cpp's grammar (gpt-oss.cpp:106-135,
+not lazy, fed the generation prompt's `<|start|>assistant` first) lets the
+model write analysis messages first and then holds it to a call. specchat does
+the same (backends.reasoning.Thinking, under any grammar on a harmony model):
+at each message's start the model writes an analysis header, and the analysis
+is free text up to `<|end|>`, or the call's header (`forced_header`'s text,
+in the channel: `<|channel|>commentary to=functions.`) and then what
+`grammar` holds: the name among the offered tools, the
+`<|constrain|>json<|message|>` and arguments that match the function's schema
+(backends.harmony.opening_grammar). After an analysis the model ended, the
+next message starts the same way; a reasoning budget spent inside an analysis
+forces `<|end|>` and the call's header (llama-server forces `<|end|>` alone),
+and counts from an analysis header written with its own tokens, as
+llama.cpp's budget does. A call in the role's header (`<|start|>assistant
+to=functions.NAME<|channel|>...`), which llama.cpp's grammar also allows, is
+parsed but not offered by the grammar.
+
+Beside llama-server (reference build, `--jinja`, SmolLM2 re-packed with
+gpt-oss's template, temperature 0; docs/serve.md has the figures): both let
+the model think before the answer. SmolLM2 under specchat, on "What is the
+weather like in Paris today?", calls at once under named or required; on "What
+is 17 times 3? Answer in JSON." under a schema it thinks, ends that analysis,
+opens a second that the budget ends, and answers JSON. On that request
+llama-server's grammar sampler takes any spelling of the header's bytes, and
+SmolLM2's best after
+`<|` is `c` (-7.41 against `channel`'s -7.53), so it spells the header letter
+by letter, takes the stray `commentary` channel the grammar allows before an
+analysis, and thinks to max_tokens: its budget, waiting for the analysis
+header's own tokens, never starts. llguidance allows the canonical tokens of
+bytes the grammar forces (only `channel` there), hence the other path.
 """
 
 from __future__ import annotations
@@ -42,6 +63,7 @@ from typing import Callable, Sequence
 from app.chat_template import ToolCall, new_call_id
 from backends.grammar import JSON_LAYOUT, llama_server_schema
 from backends.harmony import START, HarmonySplitter
+from backends.harmony import marker_terminal as harmony_marker_terminal
 from backends.reasoning import HARMONY
 from backends.text import TextStream
 
@@ -145,10 +167,5 @@ def grammar(tools: Sequence[tuple[str, dict]], marker: Callable[[str], str]) -> 
 
 def marker_terminal(model: object) -> Callable[[str], str]:
     """`grammar`'s `marker` for a model (backends.llama.LlamaModel): a marker that is one control token is that
-    token, by id, in Lark; any other, its text."""
-    def terminal(text: str) -> str:
-        ids = model.tokenize(text, add_special=False, parse_special=True)  # type: ignore[attr-defined]
-        if len(ids) == 1 and not model.piece(ids[0]) and model.piece(ids[0], True):  # type: ignore[attr-defined]
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
-    return terminal
+    token, by id, in Lark; any other, its text (backends.harmony.marker_terminal)."""
+    return harmony_marker_terminal(model)
