@@ -61,6 +61,19 @@ def top2_gap(engine: Engine, context: list[int]) -> float:
     return float(top2[1] - top2[0])
 
 
+def split_output(events: list) -> tuple[list[Token], Done]:
+    """A thinking model's events, checked: one Prefilled first, a Done last, the output's tokens handed on, and the
+    answer's and the reasoning's pieces each making their whole. Returns the output's tokens and the Done."""
+    done = events[-1]
+    assert isinstance(done, Done) and isinstance(events[0], Prefilled)
+    assert sum(isinstance(e, Prefilled) for e in events) == 1
+    tokens = [e for e in events if isinstance(e, Token) and e.kind != REJECTED]
+    assert [t.id for t in tokens] == list(done.tokens), "the output is the tokens handed on"
+    assert "".join(t.text for t in tokens) + done.tail == done.text, "the answer's pieces make the whole"
+    assert "".join(t.reasoning for t in tokens) == done.reasoning, "the reasoning's pieces make the whole"
+    return tokens, done
+
+
 def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
                 grammar: Grammar | None = None) -> list[float]:
     """Before each of `tokens` (a greedy answer to `prompt`), by how much the target prefers that token to the

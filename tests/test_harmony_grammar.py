@@ -30,11 +30,12 @@ from typing import Callable
 import llguidance
 
 from app.serve.harmony_tools import calls_of, forced_header
-from backends.events import REJECTED, Done, Prefilled, Token
+from backends.events import REJECTED, Done, Token
 from backends.grammar import compile_grammar
 from backends.harmony import ANALYSIS, END, FINAL, START, lark_text, marker_terminal, opening_grammar
 from backends.reasoning import HARMONY, Thinking
 from backends.sampling import GenParams
+from engine_helpers import split_output
 from test_reasoning_opening import NUMBER, Model, Writer, _grammar
 
 PROMPT = [ord(c) for c in START]  # gpt-oss's generation prompt ends with `<|start|>assistant`
@@ -48,13 +49,7 @@ def _generate(wants: Callable[[str], str], params: GenParams,
               prompt: list[int] = PROMPT) -> tuple[list[Token], Done, Writer]:
     writer = Writer(wants, len(prompt))
     events = list(Thinking(writer, Model()).generate(prompt, params))
-    done = events[-1]
-    assert isinstance(done, Done) and isinstance(events[0], Prefilled)
-    assert sum(isinstance(e, Prefilled) for e in events) == 1
-    tokens = [e for e in events if isinstance(e, Token) and e.kind != REJECTED]
-    assert [t.id for t in tokens] == list(done.tokens), "the output is the tokens handed on"
-    assert "".join(t.text for t in tokens) + done.tail == done.text, "the answer's pieces make the whole"
-    assert "".join(t.reasoning for t in tokens) == done.reasoning, "the reasoning's pieces make the whole"
+    tokens, done = split_output(events)
     return tokens, done, writer
 
 

@@ -21,11 +21,12 @@ from typing import Callable
 
 import llguidance
 
-from backends.events import REJECTED, Done, GenStats, Prefilled, Token
+from backends.events import Done, GenStats, Prefilled, Token
 from backends.grammar import Grammar, compile_grammar, opening_grammar
 from backends.reasoning import ReasoningFormat, Thinking
 from backends.sampling import GenParams
 from backends.text import TextStream
+from engine_helpers import split_output
 
 EOS = 256
 THINK = 257  # `<think>` as one control token, as Qwen3's own vocabulary has it (the stand-in model spells it out)
@@ -117,13 +118,7 @@ def _generate(wants: Callable[[str], str], params: GenParams,
               space_lt: bool = False) -> tuple[list[Token], Done, Writer]:
     writer = Writer(wants, len(PROMPT), space_lt)
     events = list(Thinking(writer, Model()).generate(PROMPT, params))
-    done = events[-1]
-    assert isinstance(done, Done) and isinstance(events[0], Prefilled)
-    assert sum(isinstance(e, Prefilled) for e in events) == 1
-    tokens = [e for e in events if isinstance(e, Token) and e.kind != REJECTED]
-    assert [t.id for t in tokens] == list(done.tokens), "the output is the tokens handed on"
-    assert "".join(t.text for t in tokens) + done.tail == done.text, "the answer's pieces make the whole"
-    assert "".join(t.reasoning for t in tokens) == done.reasoning, "the reasoning's pieces make the whole"
+    tokens, done = split_output(events)
     return tokens, done, writer
 
 
