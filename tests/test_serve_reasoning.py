@@ -146,9 +146,11 @@ def test_reasoning_format_none_starts_with_what_the_prompt_opened(qwq: Served) -
 
 
 def test_greedy_answers_are_the_same_under_ar_and_the_default_strategy(qwq: Served) -> None:
+    """Token for token, up to 32 tokens: greedy_margins found this answer's 34th token won by 0.0087 only, a
+    near-tie that another batch shape (auto's, sps's verification) may rightly decide otherwise."""
     answers = {}
     for strategy in ("ar", "auto", "sps"):
-        a = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=24, **spec(strategy)).choices[0].message
+        a = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=24, max_tokens=32, **spec(strategy)).choices[0].message
         answers[strategy] = (_reasoning(a), a.content)
     assert answers["ar"][0] and answers["ar"][1]
     assert answers["auto"] == answers["ar"] == answers["sps"]

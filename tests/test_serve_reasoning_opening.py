@@ -76,7 +76,8 @@ def test_a_json_schema_lets_the_model_think_before_its_answer(qwen3: Served, str
         assert _n_tokens(qwen3, reasoning) <= 8 and 0 < usage.completion_tokens_details.reasoning_tokens <= 8
         answers.append((reasoning, content))
     assert answers[0] == answers[1]
-    ar = _answer(qwen3, False, messages=EXPLAIN, response_format=SCHEMA, extra_body={"reasoning_budget_tokens": 8})
+    ar = _answer(qwen3, False, messages=EXPLAIN, response_format=SCHEMA,
+                 extra_body={"reasoning_budget_tokens": 8, **spec("ar")})
     assert (ar[0], ar[1]) == answers[0]
 
 
