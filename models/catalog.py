@@ -16,8 +16,16 @@ beside its target too and drafts a block per decode from its layers
 (backends.dflash). A pair names a target and a draft; its draft may be left
 out where the target carries an MTP head, and `"drafter"` on a pair
 ("mtp", "eagle3" or "dflash") says which of them the pair drafts with when the
-models do not say it themselves. Every malformed entry is refused in one line
-(`CatalogError`).
+models do not say it themselves.
+
+A model that thinks before answering says how (`"thinking"`): between tags,
+`{"tags": [start, end], "can_disable": bool}` (Qwen3's `<think>`…`</think>`;
+`"format": "tags"` may be written or left out), or in harmony's analysis
+channel, `{"format": "harmony"}` (gpt-oss: its reasoning effort bounds the
+thinking, which its template cannot turn off). The names are
+backends.reasoning's, which finds the same from the file's template at load
+(`detect_format`: a ReasoningFormat with tags, or HARMONY, whose `channels`
+are harmony's). Every malformed entry is refused in one line (`CatalogError`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ MTP, EAGLE3, DFLASH, DRAFT = "mtp", "eagle3", "dflash", "draft"
 DRAFTER_KINDS = (MTP, EAGLE3, DFLASH)
 DRAFT_FILES = (EAGLE3, DFLASH)  # drafters that are a file of their own, made for one target's hidden states
 KIND_NAMES = {MTP: "an MTP head", EAGLE3: "an EAGLE-3 draft", DFLASH: "a DFlash draft"}
+# How a model thinks: a block between two tags, or gpt-oss's harmony channels (backends.reasoning, backends.harmony).
+TAGS, HARMONY = "tags", "harmony"
+THINKING_FORMATS = (TAGS, HARMONY)
 
 
 class CatalogError(ValueError):
@@ -50,6 +61,38 @@ class Drafter:
 
 
 @dataclass(frozen=True)
+class Thinking:
+    """How a catalog model thinks: between its two tags (TAGS), or in harmony's analysis channel (HARMONY), whose
+    template takes a reasoning effort and never turns the thinking off. Refuses an inconsistent one (CatalogError,
+    without the model's alias)."""
+    format: str  # TAGS or HARMONY
+    tags: tuple[str, ...] = ()  # (start, end) for TAGS; () for HARMONY
+    can_disable: bool = False  # the template turns thinking off (enable_thinking: false)
+
+    def __post_init__(self) -> None:
+        if self.format not in THINKING_FORMATS:
+            raise CatalogError(f"thinking format is \"{TAGS}\" or \"{HARMONY}\", not {json.dumps(self.format)}")
+        if self.format == HARMONY and self.tags:
+            raise CatalogError("harmony thinking has no tags (its analysis channel is the reasoning)")
+        if self.format == HARMONY and self.can_disable:
+            raise CatalogError("harmony thinking cannot be turned off (gpt-oss's template takes a reasoning "
+                               "effort, never enable_thinking)")
+        if self.format == TAGS and (len(self.tags) != 2 or not all(isinstance(t, str) and t for t in self.tags)
+                                    or self.tags[0] == self.tags[1]):
+            raise CatalogError("thinking tags are a start and an end tag, two different non-empty strings")
+
+    @property
+    def note(self) -> str:
+        """In words, for listings: where the model thinks, and how to turn it off or bound it."""
+        if self.format == HARMONY:
+            return ("thinks before answering (in harmony's analysis channel; it cannot be turned off; bound it with "
+                    "--reasoning-effort low|medium|high or --reasoning-budget N)")
+        off = "--no-think / F4 turn it off" if self.can_disable else "it cannot be turned off; bound it " \
+            "with --reasoning-budget N"
+        return f"thinks before answering ({self.tags[0]}…{self.tags[1]}; {off})"
+
+
+@dataclass(frozen=True)
 class CatalogModel:
     alias: str
     repo: str
@@ -58,10 +101,8 @@ class CatalogModel:
     sizes_gb: tuple[tuple[str, float], ...]  # (quant, GB), largest first
     kv_gb: float
     notes: str
-    # A thinking model's tags (start, end) and whether its template turns thinking off; () for one that does not
-    # think (backends.reasoning finds the same from the file's template at load).
-    thinking: tuple[str, ...] = ()
-    thinking_can_disable: bool = False
+    # How the model thinks; None for one that does not (backends.reasoning finds the same from the file's template).
+    thinking: Thinking | None = None
     drafter: Drafter | None = None
 
     @property
@@ -80,11 +121,7 @@ class CatalogModel:
     @property
     def thinking_note(self) -> str:
         """In words, for listings: '' for a model that does not think."""
-        if not self.thinking:
-            return ""
-        off = "--no-think / F4 turn it off" if self.thinking_can_disable else "it cannot be turned off; bound it " \
-            "with --reasoning-budget"
-        return f"thinks before answering ({self.thinking[0]}…{self.thinking[1]}; {off})"
+        return "" if self.thinking is None else self.thinking.note
 
     @property
     def quants(self) -> tuple[str, ...]:
@@ -193,6 +230,25 @@ def _drafter(alias: str, raw: Any) -> Drafter | None:
     return Drafter(MTP, heads)
 
 
+def _thinking(alias: str, raw: Any) -> Thinking | None:
+    """`{"tags": [start, end], "can_disable": bool}` (`"format": "tags"` optional) or `{"format": "harmony"}`."""
+    if raw is None:
+        return None
+    shape = "{\"tags\": [start, end], \"can_disable\": true|false} or {\"format\": \"harmony\"}"
+    if not isinstance(raw, dict):
+        raise CatalogError(f"catalog model {alias}: thinking is {shape}, not {json.dumps(raw)}")
+    extra = set(raw) - {"format", "tags", "can_disable"}
+    if extra:
+        raise CatalogError(f"catalog model {alias}: unknown thinking field(s) {', '.join(sorted(extra))}")
+    tags, can_disable = raw.get("tags", []), raw.get("can_disable", False)
+    if not isinstance(tags, list) or not isinstance(can_disable, bool):
+        raise CatalogError(f"catalog model {alias}: thinking is {shape}, not {json.dumps(raw)}")
+    try:
+        return Thinking(raw.get("format", TAGS), tuple(tags), can_disable)
+    except CatalogError as e:
+        raise CatalogError(f"catalog model {alias}: {e}") from None
+
+
 def _model(alias: str, raw: Any) -> CatalogModel:
     if not isinstance(raw, dict):
         raise CatalogError(f"catalog model {alias}: an object with repo, file, default_quant, sizes_gb and kv_gb")
@@ -203,15 +259,12 @@ def _model(alias: str, raw: Any) -> CatalogModel:
             isinstance(gb, (int, float)) and not isinstance(gb, bool) for gb in raw["sizes_gb"].values()):
         raise CatalogError(f"catalog model {alias}: sizes_gb maps each quantization to its file size in GB")
     sizes = sorted(raw["sizes_gb"].items(), key=lambda kv: -kv[1])
-    thinking = raw.get("thinking", {})
     model = CatalogModel(
         alias=alias, repo=raw["repo"], file=raw["file"], default_quant=raw["default_quant"],
         sizes_gb=tuple((q, float(gb)) for q, gb in sizes), kv_gb=float(raw["kv_gb"]), notes=raw.get("notes", ""),
-        thinking=tuple(thinking.get("tags", ())), thinking_can_disable=bool(thinking.get("can_disable", False)),
+        thinking=_thinking(alias, raw.get("thinking")),
         drafter=_drafter(alias, raw.get("drafter")),
     )
-    if model.thinking and len(model.thinking) != 2:
-        raise CatalogError(f"catalog model {alias}: thinking tags are a start and an end tag")
     if "{quant}" not in model.file or model.default_quant not in model.quants:
         raise CatalogError(f"catalog model {alias}: file needs {{quant}} and default_quant must be listed in "
                            "sizes_gb")

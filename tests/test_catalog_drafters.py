@@ -153,7 +153,7 @@ def test_the_packaged_catalog_has_an_mtp_pair_and_an_eagle3_pair() -> None:
     mtp, eagle = catalog.pair("qwen3.5-mtp"), catalog.pair("gpt-oss-eagle3")
     assert mtp is not None and mtp.drafter == MTP and mtp.draft is None
     assert mtp.target.repo == "unsloth/Qwen3.5-4B-MTP-GGUF" and mtp.target.pattern() == "Qwen3.5-4B-Q4_K_M.gguf"
-    assert mtp.target.mtp_heads == 1 and mtp.target.thinking == ("<think>", "</think>")
+    assert mtp.target.mtp_heads == 1 and mtp.target.thinking.tags == ("<think>", "</think>")
     assert eagle is not None and eagle.drafter == EAGLE3 and eagle.draft is not None and eagle.draft.is_eagle3
     assert eagle.draft.pattern() == "eagle3-gpt-oss-20b-Q8_0.gguf"
     assert eagle.target.pattern() == "gpt-oss-20b-MXFP4.gguf"

@@ -451,18 +451,20 @@ def test_a_tag_that_is_one_control_token_is_seen_though_it_renders_as_nothing() 
 
 
 def test_the_catalogs_thinking_models_say_what_their_templates_say() -> None:
-    """The catalog's Qwen3 and Qwen3.5 models declare their thinking (tags, can be turned off): the same as
-    detect_format finds in their templates (llama.cpp's copies, tests/data/templates)."""
-    from models.catalog import load_catalog
+    """The catalog's Qwen3 and Qwen3.5 models declare their thinking (tags, can be turned off), gpt-oss-20b harmony's
+    channels (cannot): the same as detect_format finds in their templates (llama.cpp's copies, tests/data/templates;
+    llama.cpp keeps gpt-oss's harmony template as the 120b's)."""
+    from models.catalog import HARMONY, load_catalog
 
     template_of = {"qwen3-8b": "Qwen-Qwen3-0.6B.jinja", "qwen3-0.6b": "Qwen-Qwen3-0.6B.jinja",
-                   "qwen3.5-4b-mtp": "Qwen3.5-4B.jinja"}
+                   "qwen3.5-4b-mtp": "Qwen3.5-4B.jinja", "gpt-oss-20b": "openai-gpt-oss-120b.jinja"}
     declared = [m for m in load_catalog().models if m.thinking]
     assert {m.alias for m in declared} == set(template_of)
     for m in declared:
         template = (TEMPLATES / template_of[m.alias]).read_text()
         fmt = detect_format(template, lambda kw: render_chat(template, [ChatMessage("user", "Hi")], "", "<|im_end|>",
                                                              kwargs=kw))
-        assert fmt is not None, m.alias
-        assert (m.thinking, m.thinking_can_disable) == ((fmt.start, fmt.end), fmt.can_disable), m.alias
-        assert "--no-think" in m.thinking_note
+        assert fmt is not None and fmt.channels == (m.thinking.format == HARMONY), m.alias
+        assert m.thinking.tags == (() if fmt.channels else (fmt.start, fmt.end)), m.alias
+        assert m.thinking.can_disable == fmt.can_disable, m.alias
+        assert ("--no-think" in m.thinking_note) == fmt.can_disable, m.alias

@@ -43,7 +43,8 @@ def add_models_parser(sub: argparse._SubParsersAction, parser_class: type[argpar
     p.add_argument("--offline", action="store_true", help="use the local HF cache only (as HF_HUB_OFFLINE=1)")
     cmd.add_parser("pairs", help="the catalog of known-good pairs: how each drafts (a draft model, an EAGLE-3 draft, "
                    "the target's MTP head), sizes, quantizations, RAM")
-    i = cmd.add_parser("info", help="GGUF metadata of a local model, or of a remote one from its header alone")
+    i = cmd.add_parser("info", help="GGUF metadata of a local model, or of a remote one from its header alone (a "
+                       "catalog model: how it thinks, too)")
     i.add_argument("ref")
     i.add_argument("--json", action="store_true", help="one JSON object")
     i.add_argument("--offline", action="store_true", help="local models only")
@@ -183,9 +184,16 @@ def _pairs(args: argparse.Namespace) -> int:
 
 # --- info / check ---------------------------------------------------------------------------------------------------
 
+def _catalog_thinking(ref: str) -> dict[str, str]:
+    """`{"thinking": note}` where `ref` is a catalog model that thinks (models.catalog.Thinking.note), else {}."""
+    model = load_catalog().model(ref.partition(":")[0])
+    return {"thinking": model.thinking_note} if model is not None and model.thinking_note else {}
+
+
 def _info(args: argparse.Namespace) -> int:
     header = model_header(args.ref, print_progress, _offline(args), quantize)
-    data = {**header.info.summary(), "drafters": describe_drafters(header.info), "source": header.source}
+    data = {**header.info.summary(), "drafters": describe_drafters(header.info), **_catalog_thinking(args.ref),
+            "source": header.source}
     if args.json:
         print(json.dumps(data))
     else:
