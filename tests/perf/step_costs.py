@@ -1,0 +1,128 @@
+"""Where `auto`'s time goes against `ar`'s, by kind of step (not a test: a probe).
+
+`specchat bench` says how fast `auto` is against `ar` per category; when a
+category reads under the bar, this says why. One engine runs `ar` and `auto`
+on each chosen prompt in turn (who goes first alternates by pass), and every
+target step of `auto`'s answers is timed from one StepEnd event to the next
+and filed by its kind: plain, lookup, draft, lookahead, memory, with "~try"
+for a try of an option its estimate called worse. Each kind's line is its
+steps, its mean time and output tokens per step, the tokens it drafted per
+step, and its net cost against `ar`: its time minus its tokens at `ar`'s mean
+step time in the same run (negative: it saved time). `ar`'s own steps are
+filed as "ar plain" (their net cost is their spread). The first pass is left
+out of the kinds (it holds the early tries and the learning of a fresh
+engine) but not out of the ratios. At temperature > 0 the target's draws are
+fixed by the seed, so the two answers are the same text unless a draft
+model's chain was verified (it samples with the run's generator).
+
+    python tests/perf/step_costs.py --passes 4 --categories explain,email -- \\
+        -m smollm2-qwq.gguf -md smollm2-draft --prompts chat -n 192 --temp 0.8 --seed 1 -t 2
+
+The flags after `--` are `specchat bench`'s (model, prompt set, generation flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from app.bench.prompts import load_prompt_set  # noqa: E402
+from app.cli import build_parser, settings_from_args  # noqa: E402
+from app.commands.bench import bench_tokens  # noqa: E402
+from app.loading import open_engine  # noqa: E402
+from app.prompt_format import PromptFormat  # noqa: E402
+from backends.events import Done, StepEnd  # noqa: E402
+from backends.registry import n_seq_needed  # noqa: E402
+from backends.strategies.auto.choose import TRYING  # noqa: E402
+
+
+class Step(collections.namedtuple("Step", "kind seconds tokens drafted")):
+    """One target step of an answer: its kind, seconds since the step before, output tokens, drafted tokens."""
+
+
+def timed_steps(events) -> tuple[list[Step], Done]:
+    """An answer's steps after its first (the first's time holds the prompt), and its Done."""
+    steps, last = [], None
+    for e in events:
+        now = time.perf_counter()
+        if isinstance(e, StepEnd):
+            if last is not None:
+                kind = e.choice + ("~try" if (e.why or "").endswith(TRYING) else "")
+                steps.append(Step(kind, now - last, e.accepted + 1, e.drafted))
+            last = now
+        elif isinstance(e, Done):
+            if e.reason == "error":
+                raise SystemExit(f"step_costs: {e.error}")
+            return steps, e
+    raise SystemExit("step_costs: the generation ended without a Done event")
+
+
+def by_kind(steps: list[Step], t_ar: float) -> list[str]:
+    """One line per kind, dearest first: steps, ms a step, tokens a step, drafted a step, net ms against ar."""
+    kinds: dict[str, list[Step]] = collections.defaultdict(list)
+    for s in steps:
+        kinds[s.kind].append(s)
+    lines = []
+    for kind, group in sorted(kinds.items(), key=lambda kv: -sum(s.seconds for s in kv[1])):
+        n, seconds, tokens = len(group), sum(s.seconds for s in group), sum(s.tokens for s in group)
+        lines.append(f"{kind:14} steps {n:5d}  ms/step {1e3 * seconds / n:6.2f}  tok/step {tokens / n:5.2f}  "
+                     f"drafted/step {sum(s.drafted for s in group) / n:5.2f}  net vs ar "
+                     f"{1e3 * (seconds - tokens * t_ar):+8.1f} ms")
+    return lines
+
+
+def main() -> int:
+    if "--" not in sys.argv:
+        raise SystemExit("usage: step_costs.py [--passes N] [--categories A,B] -- <specchat bench flags>")
+    cut = sys.argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--passes", type=int, default=4, help="passes over the chosen prompts (default: 4)")
+    parser.add_argument("--categories", default="", help="comma-separated categories (default: every one)")
+    args = parser.parse_args(sys.argv[1:cut])
+    bench_args = build_parser().parse_args(["bench", *sys.argv[cut + 1:]])
+    settings = settings_from_args(bench_args)
+    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
+    try:
+        engine.learn_afresh()  # from nothing learnt, as the bench starts
+        prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
+        tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
+        wanted = set(filter(None, args.categories.split(",")))
+        chosen = [(p, t) for p, t in zip(prompts, tokenized) if not wanted or p.category in wanted]
+        if not chosen:
+            raise SystemExit(f"step_costs: no prompt of the categories {sorted(wanted)}")
+        steps: dict[str, list[Step]] = {"ar": [], "auto": []}
+        ratios: dict[str, list[float]] = collections.defaultdict(list)
+        for n in range(args.passes):
+            for prompt, tokens in chosen:
+                speed = {}
+                for strategy in ("ar", "auto") if n % 2 == 0 else ("auto", "ar"):
+                    engine.slots[0].reset()
+                    answer, done = timed_steps(engine.strategy(strategy, settings.options).generate(
+                        tokens, settings.params))
+                    speed[strategy] = done.stats.generated_tokens / max(done.stats.decode_seconds, 1e-9)
+                    if n > 0:
+                        steps[strategy].extend(answer)
+                ratios[prompt.category].append(speed["auto"] / speed["ar"])
+                print(f"{n + 1} {prompt.category:12} ar {speed['ar']:6.1f} tok/s  auto {speed['auto']:6.1f} tok/s  "
+                      f"ratio {speed['auto'] / speed['ar']:.3f}", flush=True)
+    finally:
+        engine.close()
+    if not steps["ar"]:
+        raise SystemExit("step_costs: one pass only; the kinds need a second (the first is left out)")
+    t_ar = sum(s.seconds for s in steps["ar"]) / sum(s.tokens for s in steps["ar"])
+    print(f"ar: {1e3 * t_ar:.2f} ms a token over its steps after the first pass")
+    for line in by_kind([s._replace(kind="ar " + s.kind) for s in steps["ar"]] + steps["auto"], t_ar):
+        print(line)
+    for category, r in ratios.items():
+        print(f"{category:12} auto / ar median {statistics.median(r):.3f}  ({' '.join(f'{x:.2f}' for x in r)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
