@@ -170,18 +170,24 @@ def opening_grammar(grammar: Grammar, tag: str, tag_tokens: Sequence[int] = ()) 
     may follow: backends.reasoning ends this phase at the tag (a stop string) and thinks freely, and the answer's
     grammar starts again at the end tag, as llama.cpp's reasoning rule is free text up to the end tag. Where the
     tag is one control token (`tag_tokens`, Qwen3's own `<think>`), that token is allowed as well as the text."""
-    text = grammar.text.strip()
-    top = json.loads(text) if text.startswith("{") else {"grammars": [{"lark_grammar": text}]}
-    first, *others = top["grammars"]  # the first is the start; specchat's kinds compile to one grammar
     opener = json.dumps(tag)  # a Lark string is a JSON string
     if len(tag_tokens) == 1:
         opener = f"({opener} | <[{tag_tokens[0]}]>)"
     lark = f"start: SPACE? (opener | @{ANSWER})\nopener: {opener} ANY\nSPACE: {SPACE}\nANY: /(?s:.*)/\n"
-    text = json.dumps({**top, "grammars": [{"name": "opening", "lark_grammar": lark}, {**first, "name": ANSWER},
-                                           *others]})
+    return under_opening(grammar, "opening", lark, "a thinking block")
+
+
+def under_opening(grammar: Grammar, name: str, lark: str, after: str) -> Grammar:
+    """`grammar` as the rule @ANSWER of a new start grammar `lark` (named `name`), checked for the vocabulary: what
+    a model may write first where `grammar` holds the answer (a thinking block's start tag, harmony's analysis
+    header: backends.harmony.opening_grammar), or GrammarError saying the answer's grammar cannot follow `after`."""
+    text = grammar.text.strip()
+    top = json.loads(text) if text.startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    first, *others = top["grammars"]  # the first is the start; specchat's kinds compile to one grammar
+    text = json.dumps({**top, "grammars": [{"name": name, "lark_grammar": lark}, {**first, "name": ANSWER}, *others]})
     error = llguidance.LLMatcher.validate_grammar(text, grammar.tokenizer)
     if error and not error.startswith("WARNING"):
-        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot follow a thinking block: {_first_line(error)}")
+        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot follow {after}: {_first_line(error)}")
     return Grammar(grammar.kind, text, grammar.tokenizer, grammar.n_vocab)
 
 

@@ -45,9 +45,9 @@ its grammar. `marker_terminal` writes a marker the way the vocabulary has it
 
 from __future__ import annotations
 
-import re
 import json
-from typing import TYPE_CHECKING, Callable, Sequence
+import re
+from typing import TYPE_CHECKING, Callable
 
 from backends.events import Channel
 
@@ -303,13 +303,8 @@ def opening_grammar(grammar: "Grammar", header: str, marker: Callable[[str], str
     `lead`: what of that start is the model's to write (all of it after an analysis it ended itself; none where
     the generation prompt wrote it). The final header may carry a constraint (` <|constrain|>json`), as
     llama.cpp's grammar allows."""
-    from backends.grammar import ANSWER, GrammarError, _first_line  # llguidance only where a grammar is in use
+    from backends.grammar import ANSWER, under_opening  # llguidance only where a grammar is in use
 
-    import llguidance
-
-    text = grammar.text.strip()
-    top = json.loads(text) if text.startswith("{") else {"grammars": [{"lark_grammar": text}]}
-    first, *others = top["grammars"]
     answer = lark_text(header, marker)
     if header.endswith(f"{CHANNEL}final{MESSAGE}"):
         constraint = f'(" " {marker("<|constrain|>")}? CONSTRAINT)?'
@@ -317,9 +312,4 @@ def opening_grammar(grammar: "Grammar", header: str, marker: Callable[[str], str
     lark = (f"start: {lark_text(lead, marker) + ' ' if lead else ''}(opener | {answer} @{ANSWER})\n"
             f"opener: {lark_text(ANALYSIS, marker)} ANY\n"
             "CONSTRAINT: /[A-Za-z0-9_-]+/\nANY: /(?s:.*)/\n")
-    text = json.dumps({**top, "grammars": [{"name": "harmony_opening", "lark_grammar": lark},
-                                           {**first, "name": ANSWER}, *others]})
-    error = llguidance.LLMatcher.validate_grammar(text, grammar.tokenizer)
-    if error and not error.startswith("WARNING"):
-        raise GrammarError(f"the {grammar.kind.replace('_', ' ')} cannot follow an analysis: {_first_line(error)}")
-    return type(grammar)(grammar.kind, text, grammar.tokenizer, grammar.n_vocab)
+    return under_opening(grammar, "harmony_opening", lark, "an analysis")

@@ -333,8 +333,8 @@ def test_serve_a_plain_answer_with_tools_offered_is_content(served) -> None:
 def test_a_marker_that_is_a_control_token_is_its_id_in_the_grammar(oss) -> None:  # noqa: F811
     """marker_terminal on a real vocabulary: SmolLM2 spells harmony's markers as text (a Lark string), and a
     control token (its `<|im_end|>`, standing in for gpt-oss's `<|message|>`) is its id, which compiles."""
-    from app.serve.harmony_tools import marker_terminal
     from backends.grammar import compile_grammar
+    from backends.harmony import marker_terminal
 
     model = oss.target_model
     terminal = marker_terminal(model)

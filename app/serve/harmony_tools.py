@@ -63,7 +63,6 @@ from typing import Callable, Sequence
 from app.chat_template import ToolCall, new_call_id
 from backends.grammar import JSON_LAYOUT, llama_server_schema
 from backends.harmony import START, HarmonySplitter
-from backends.harmony import marker_terminal as harmony_marker_terminal
 from backends.reasoning import HARMONY
 from backends.text import TextStream
 
@@ -163,9 +162,3 @@ def grammar(tools: Sequence[tuple[str, dict]], marker: Callable[[str], str]) -> 
                      f'args{i}')
         rules.append(f"args{i}: %json {args}")
     return "lark", "\n".join(rules) + "\n"
-
-
-def marker_terminal(model: object) -> Callable[[str], str]:
-    """`grammar`'s `marker` for a model (backends.llama.LlamaModel): a marker that is one control token is that
-    token, by id, in Lark; any other, its text (backends.harmony.marker_terminal)."""
-    return harmony_marker_terminal(model)

@@ -25,12 +25,13 @@ from app.serve.fields import ApiError, bad
 from app.serve.slots import SlotFiles, slot_action
 from app.serve.request import MAX_BODY_BYTES, Endpoint, GenRequest, parse_request
 from app.serve.thinking import reasoning_info, template_kwargs
-from app.serve.harmony_tools import HarmonyToolStream, marker_terminal
+from app.serve.harmony_tools import HarmonyToolStream
 from app.serve.tools import grammar_for
 from app.serve.responses import SSE_DONE, Reply, done_error, done_response, sse
 from app.serve.worker import EngineWorker, Failed, Finished, Job
 from backends.events import Done, Token
 from backends.grammar import GrammarError, compile_grammar
+from backends.harmony import marker_terminal
 from models.errors import ModelError
 from backends.registry import STRATEGIES, strategy_label
 

@@ -213,7 +213,7 @@ def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat, para
                 marker: Callable[[str], str] = json.dumps) -> tuple[str, object] | None:
     """(grammar kind, source) the answer must follow, or None for free text. `parallel` (OpenAI's
     parallel_tool_calls, asked for explicitly): a Hermes answer may hold several calls. `marker`: a harmony
-    marker's Lark terminal (app.serve.harmony_tools.marker_terminal)."""
+    marker's Lark terminal (backends.harmony.marker_terminal)."""
     callable_ = choice.offered(tools)
     if not callable_:
         return None
