@@ -138,6 +138,16 @@ def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int],
     print(f"{what}: parts from the greedy answer at a near-tie, output token {i} (its choice wins by {gap:.5f})")
 
 
+def assert_strategy_greedy(engine: Engine, strategy: str, prompt: list[int], want: Sequence[int], got: Sequence[int],
+                           what: str = "", noise: float = BATCH_NOISE) -> None:
+    """A strategy's greedy answer `got` against `ar`'s `want`: token for token, but for `auto`, whose batches follow
+    live timings, so it may part from it only at a near-tie (assert_greedy_agrees, within `noise`)."""
+    if strategy == "auto":
+        assert_greedy_agrees(engine, prompt, want, got, f"auto {what}", noise)
+    else:
+        assert tuple(got) == tuple(want), f"{strategy} {what} differs from ar"
+
+
 def divergences_from_alone(alone: Engine, jobs: list[tuple[str, list[int], GenParams]],
                            got: list[list]) -> list[tuple[str, int, float]]:
     """Each greedy request's output under load (its events' Done) against `ar` on `alone`, the same prompt by

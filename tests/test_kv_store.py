@@ -21,7 +21,7 @@ from backends.registry import STRATEGIES
 from backends.kv_store import KvKey, KvStoreError, read_entry, restore, snapshot, write_entry
 from backends.sampling import GenParams
 from app.prompt_format import PromptFormat
-from engine_helpers import DEMO_NOISE, assert_greedy_agrees, run_to_done
+from engine_helpers import DEMO_NOISE, assert_strategy_greedy, run_to_done
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = "Summarize: " + " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(40))
@@ -53,10 +53,7 @@ def test_a_restored_prompt_continues_as_the_decoded_one(instruct_pair, instruct_
     assert n == len(prompt) and slot.draft is not None and len(slot.draft.tokens) == len(prompt)
     got = run_to_done(engine, strategy, prompt, params)
     assert got.stats.prompt_cached == len(prompt) - 1
-    if strategy == "auto":  # its batches follow live timings: they may part at a near-tie, and only there
-        assert_greedy_agrees(engine, prompt, ref.tokens, got.tokens, strategy, DEMO_NOISE)
-    else:
-        assert got.tokens == ref.tokens
+    assert_strategy_greedy(engine, strategy, prompt, ref.tokens, got.tokens, noise=DEMO_NOISE)
 
 
 def test_a_longer_prompt_restores_the_shared_part_and_a_shorter_one_cuts_it(instruct_engine: Engine,
