@@ -34,15 +34,13 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from app.bench.prompts import load_prompt_set  # noqa: E402
 from app.bench.solo import BenchConfig  # noqa: E402
 from app.bench.solo import _run as run_config  # noqa: E402
-from app.cli import build_parser, settings_from_args  # noqa: E402
-from app.commands.bench import bench_tokens  # noqa: E402
-from app.loading import open_engine  # noqa: E402
-from app.prompt_format import PromptFormat  # noqa: E402
-from backends.registry import n_seq_needed  # noqa: E402
+from app.cli import build_parser  # noqa: E402
+from auto_steps import bench_engine  # noqa: E402
 from backends.strategies.auto.state import AutoState, sampling_mode  # noqa: E402
 
 
@@ -91,13 +89,8 @@ def processes(rounds: int, flags: list[str]) -> None:
 
 
 def modes(rounds: int, flags: list[str]) -> None:
-    args = build_parser().parse_args(["bench", *flags])
-    settings = settings_from_args(args)
-    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
+    engine, settings, prompts, tokenized = bench_engine(flags)
     try:
-        engine.learn_afresh()
-        prompts = load_prompt_set(args.prompts, args.limit)
-        tokenized = bench_tokens(PromptFormat(engine), prompts, args.raw, settings.system_prompt)
         params = settings.params
         auto = BenchConfig("auto", "auto", settings.options)
 

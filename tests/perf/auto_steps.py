@@ -58,6 +58,22 @@ def trace(events) -> tuple[str, Done]:
     raise SystemExit("auto_steps: the generation ended without a Done event")
 
 
+def bench_engine(bench_flags: list[str]):
+    """`specchat bench`'s flags read: an engine for `auto` (learning afresh, as the bench starts, whatever earlier
+    sessions kept), its settings, the prompt set and each prompt's tokens as the bench sends them."""
+    bench_args = build_parser().parse_args(["bench", *bench_flags])
+    settings = settings_from_args(bench_args)
+    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
+    try:
+        engine.learn_afresh()
+        prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
+        tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, settings, prompts, tokenized
+
+
 def main() -> int:
     if "--" not in sys.argv:
         raise SystemExit("usage: auto_steps.py [--passes N] -- <specchat bench flags>")
@@ -65,13 +81,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=3, help="passes over the prompt set (default: 3)")
     args = parser.parse_args(sys.argv[1:cut])
-    bench_args = build_parser().parse_args(["bench", *sys.argv[cut + 1:]])
-    settings = settings_from_args(bench_args)
-    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
+    engine, settings, prompts, tokenized = bench_engine(sys.argv[cut + 1:])
     try:
-        engine.learn_afresh()  # from nothing learnt, as the bench starts, whatever earlier sessions kept
-        prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
-        tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
         for n in range(args.passes):
             for prompt, tokens in zip(prompts, tokenized):
                 engine.slots[0].reset()

@@ -32,13 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.bench.prompts import load_prompt_set  # noqa: E402
-from app.cli import build_parser, settings_from_args  # noqa: E402
-from app.commands.bench import bench_tokens  # noqa: E402
-from app.loading import open_engine  # noqa: E402
-from app.prompt_format import PromptFormat  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from auto_steps import bench_engine  # noqa: E402
 from backends.events import Done, StepEnd  # noqa: E402
-from backends.registry import n_seq_needed  # noqa: E402
 from backends.strategies.auto.choose import TRYING  # noqa: E402
 
 
@@ -85,13 +82,8 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=4, help="passes over the chosen prompts (default: 4)")
     parser.add_argument("--categories", default="", help="comma-separated categories (default: every one)")
     args = parser.parse_args(sys.argv[1:cut])
-    bench_args = build_parser().parse_args(["bench", *sys.argv[cut + 1:]])
-    settings = settings_from_args(bench_args)
-    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr))
+    engine, settings, prompts, tokenized = bench_engine(sys.argv[cut + 1:])
     try:
-        engine.learn_afresh()  # from nothing learnt, as the bench starts
-        prompts = load_prompt_set(bench_args.prompts, bench_args.limit)
-        tokenized = bench_tokens(PromptFormat(engine), prompts, bench_args.raw, settings.system_prompt)
         wanted = set(filter(None, args.categories.split(",")))
         chosen = [(p, t) for p, t in zip(prompts, tokenized) if not wanted or p.category in wanted]
         if not chosen:
