@@ -25,9 +25,12 @@ def _small(tiny, tmp_path, monkeypatch):
 
 
 def _pin_stats(chat) -> None:
-    """The stats bar's figures pinned (the real answer's tokens, a fixed speed and baseline)."""
+    """The stats bar's figures pinned (the real answer's tokens, a fixed speed and baseline), and the prompt's
+    cursor held shown: once the answer ends it blinks again, and on a slow machine the picture caught it off (a
+    clean-clone CI run did)."""
     live = chat.stats.live
     chat.stats.show(live=replace(live, seconds=live.generated / PINNED_TOKENS_PER_SECOND), baseline=PINNED_BASELINE)
+    chat.query_one("#prompt").cursor_blink = False  # a cursor that does not blink is shown
 
 
 async def _answered(pilot) -> None:
