@@ -113,6 +113,13 @@ class ReasoningFormat:
 HARMONY = ReasoningFormat(ANALYSIS, END, after=FINAL, channels=True)
 
 
+def template_thinks(template: str | None) -> bool:
+    """Whether a chat template is a thinking model's, read without rendering it (for listings of many files): it
+    names one of TAGS' end tags, or is gpt-oss's. `detect_format`'s first test; it renders the template to say
+    more (whether the block opens in the prompt, whether it can be turned off)."""
+    return template is not None and (is_harmony(template) or any(end in template for _start, end in TAGS))
+
+
 def detect_format(template: str, render: Callable[[dict], str]) -> ReasoningFormat | None:
     """The thinking format of a chat template, or None for a model that does not think.
 

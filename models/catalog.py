@@ -91,6 +91,13 @@ class Thinking:
             "with --reasoning-budget N"
         return f"thinks before answering ({self.tags[0]}…{self.tags[1]}; {off})"
 
+    @property
+    def label(self) -> str:
+        """In a few words, for the chat app's catalog (its keys, not the CLI's flags)."""
+        if self.format == HARMONY:
+            return "thinks (harmony), always: F4's Thinking budget bounds it"
+        return "thinks: F7 turns it off" if self.can_disable else "thinks, always: F4's Thinking budget bounds it"
+
 
 @dataclass(frozen=True)
 class CatalogModel:

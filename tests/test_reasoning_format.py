@@ -59,7 +59,8 @@ import pytest
 
 from app.chat_template import ChatMessage, render_chat
 from backends.harmony import ANALYSIS, END, FINAL
-from backends.reasoning import ReasoningFormat, Splitter, detect_format, new_splitter, opening, split
+from backends.reasoning import (ReasoningFormat, Splitter, detect_format, new_splitter, opening, split,
+                                template_thinks)
 
 THINK = ReasoningFormat("<think>", "</think>")
 THINK_OPEN = ReasoningFormat("<think>", "</think>", opened=True)
@@ -373,6 +374,8 @@ def test_generation_prompts(case: TemplateCase) -> None:
 def test_detect_format(case: TemplateCase) -> None:
     template, render = _renderer(case)
     assert detect_format(template, render) == case.expected
+    # The listings' reading of a template without rendering it says the same of whether the model thinks
+    assert template_thinks(template) == (case.expected is not None)
 
 
 @pytest.mark.parametrize("case", [c for c in TEMPLATE_CASES if c.expected is not None], ids=str)

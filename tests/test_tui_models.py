@@ -16,6 +16,7 @@ from textual.widgets.option_list import Option
 
 from app.cli import main
 from app.tui.models_screen import ModelsScreen
+from models.store import ModelStore, StoredModel
 from tui_helpers import app_for, option_labels, send, tiny_settings, wait_for, wait_loaded
 
 
@@ -126,13 +127,15 @@ def test_the_bundled_target_shows_its_drafts_as_soon_as_it_is_highlighted(instru
 
 
 def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(hub: FakeHub, tiny,  # noqa: F811
-                                                                               tmp_path) -> None:
-    """The catalog list says which pair drafts with the target's MTP head and which with an EAGLE-3 draft; `p` on
-    the MTP pair fetches the target alone, which then lists as carrying its own head."""
+                                                                               thinking_models, tmp_path) -> None:
+    """The catalog list says which pair drafts with the target's MTP head and which with an EAGLE-3 draft, and
+    which target thinks and how it is turned off or bounded; `p` on the MTP pair fetches the target alone, which
+    then lists as carrying its own head. A local model whose template thinks lists as thinking."""
     from qwen35_factory import write_qwen35_mtp_target
 
     repo, name = "unsloth/Qwen3.5-4B-MTP-GGUF", "Qwen3.5-4B-Q4_K_M.gguf"
     hub.add_file(repo, name, write_qwen35_mtp_target(tmp_path / "headed.gguf"))
+    ModelStore().add(StoredModel("smollm2-qwq", thinking_models.qwq))  # in the fixture's data dir
 
     async def scenario() -> None:
         app = app_for(tiny_settings(tiny.target, None, "ar", 8), tmp_path)
@@ -140,9 +143,13 @@ def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(h
             screen = await _start_pull(pilot, "qwen3.5-mtp")
             catalog = option_labels(screen.query_one("#catalog", OptionList))
             mtp = next(label for label in catalog if label.startswith("qwen3.5-mtp: "))
-            assert mtp.startswith("qwen3.5-mtp: qwen3.5-4b-mtp Q4_K_M · MTP head inside the target · ~3.5 GB RAM")
+            assert mtp.startswith("qwen3.5-mtp: qwen3.5-4b-mtp Q4_K_M · MTP head inside the target · "
+                                  "thinks: F7 turns it off · ~3.5 GB RAM")
             eagle = next(label for label in catalog if label.startswith("gpt-oss-eagle3: "))
-            assert "gpt-oss-20b MXFP4 + gpt-oss-20b-eagle3 Q8_0 · EAGLE-3 draft" in eagle
+            assert "gpt-oss-20b MXFP4 + gpt-oss-20b-eagle3 Q8_0 · EAGLE-3 draft · thinks (harmony), always: " \
+                "F4's Thinking budget bounds it" in eagle
+            plain = next(label for label in catalog if label.startswith("qwen2.5: "))  # a model that does not think
+            assert "thinks" not in plain
             await wait_for(pilot, lambda: not screen.pulling, "the download")
             assert "download complete" in str(screen.query_one("#pull-status").render())
             assert [r.path.rsplit("/", 1)[1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path] \
@@ -150,5 +157,7 @@ def test_the_catalog_lists_how_pairs_draft_and_pulls_an_mtp_pairs_target_alone(h
             local = option_labels(screen.query_one("#local", OptionList))
             assert any(label.startswith("qwen3.5-4b-mtp ") and "its own MTP head" in label and ok
                        for label, ok in local.items()), local
+            assert any(label.startswith("smollm2-qwq ") and label.endswith(" · thinks") for label in local), local
+            assert not any(label.startswith("smollm2 ") and "thinks" in label for label in local), local
 
     asyncio.run(scenario())

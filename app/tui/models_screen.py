@@ -23,6 +23,7 @@ from textual.widgets.option_list import Option
 
 from app.errors import describe
 from app.units import format_size
+from backends.reasoning import template_thinks
 from models.catalog import load_catalog
 from models.compat import check_pair
 from models.drafters import mtp_heads
@@ -91,8 +92,10 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
         for pair in entries.pairs:  # `p` pulls what the pair needs: an MTP pair's target alone (hub_models)
             ram = pair.ram_gb()
             files = " + ".join(f"{m.alias} {m.default_quant}" for m in pair.models)
+            thinking = pair.target.thinking
             catalog.add_option(Option(
                 f"{pair.name}: {files}" + (f" · {pair.drafter_label}" if pair.drafter_label else "")
+                + (f" · {thinking.label}" if thinking else "")
                 + (f" · ~{ram:.1f} GB RAM" if ram else "") + f" · {pair.notes}",
                 id=pair.name,
             ))
@@ -113,7 +116,8 @@ class ModelsScreen(Screen[tuple[str, str | None] | None]):
                 heads = mtp_heads(m.info)
                 options.add_option(Option(
                     f"{m.name} · {format_size(m.info.size_bytes)} · {m.info.architecture} {m.info.quantization or ''}"
-                    + (f" · its own MTP head{'s' if heads > 1 else ''}" if heads else ""), id=str(i)))
+                    + (f" · its own MTP head{'s' if heads > 1 else ''}" if heads else "")
+                    + (" · thinks" if template_thinks(m.info.chat_template) else ""), id=str(i)))
         if self.local:
             options.highlighted = 0
             options.focus()
