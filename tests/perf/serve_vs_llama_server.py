@@ -27,7 +27,15 @@ end.
 
 A server spec is NAME=FLAGS; a name starting with "llama-server" runs llama-server, any other specchat serve;
 DRAFT in the flags is replaced by the draft file; a word env:KEY=VALUE sets an environment variable of that server
-(e.g. env:PYTHONPATH=DIR to shadow a module).
+(e.g. env:PYTHONPATH=DIR to shadow a module); a word root:DIR runs specchat from another checkout (a worktree of
+an earlier commit, for an A/B of the code).
+
+For specchat the table also gives the CPU time its event loop's thread (the process's main thread: HTTP, the
+stream's chunks) spent per completion token, from the kernel's schedstat: a figure the machine's speed moves
+far less than tokens per second, and one that takes a core from llama.cpp's threads on a small machine:
+
+    python tests/perf/serve_vs_llama_server.py --clients 1 --repeats 4 --requests 16 \
+        --server "HEAD=-s ar root:/tmp/old" --server "new=-s ar"
 """
 
 from __future__ import annotations
@@ -71,7 +79,8 @@ class Server:
         self.port = _free_port()
         words = [a.replace("DRAFT", str(draft)) for a in flags.split()]
         extra_env = dict(w[4:].split("=", 1) for w in words if w.startswith("env:"))  # env:KEY=VALUE
-        args = [w for w in words if not w.startswith("env:")]
+        roots = [w[5:] for w in words if w.startswith("root:")]  # root:DIR
+        args = [w for w in words if not w.startswith(("env:", "root:"))]
         if name.startswith("llama-server"):
             cmd = [str(REFERENCE_BIN / "llama-server"), "-m", str(target), "-np", str(parallel),
                    "-c", str(n_ctx * parallel), "-t", str(threads), "--port", str(self.port), "--host", "127.0.0.1",
@@ -83,7 +92,7 @@ class Server:
             env = {**os.environ, **extra_env}
         self.log = open(log_dir / f"{name.replace(' ', '_')}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parents[2])
+                                     cwd=roots[-1] if roots else Path(__file__).resolve().parents[2])
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -95,6 +104,13 @@ class Server:
                 pass
             time.sleep(0.3)
         raise SystemExit(f"{name} did not start")
+
+    def loop_cpu(self) -> float | None:
+        """Seconds on a CPU of specchat's main thread (its event loop) so far; None for llama-server."""
+        if self.name.startswith("llama-server"):
+            return None
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=600)
@@ -137,6 +153,7 @@ class Load(NamedTuple):
     ttft: list[float]
     decode_rate: float
     mean_tokens: float
+    loop_us: float | None  # specchat's event loop thread: CPU microseconds per completion token
 
 
 def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp: float) -> Load:
@@ -162,14 +179,16 @@ def load(server: Server, requests: list[list[dict]], clients: int, n: int, temp:
                     decoded[0] += k - 1
                     decoded[1] += d
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), server.loop_cpu()
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    cpu1 = server.loop_cpu()
     return Load(total[0] / (time.perf_counter() - t0), ttft, decoded[0] / decoded[1] if decoded[1] else 0.0,
-                total[0] / max(len(ttft), 1))
+                total[0] / max(len(ttft), 1),
+                None if cpu0 is None or cpu1 is None else 1e6 * (cpu1 - cpu0) / max(total[0], 1))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -218,9 +237,10 @@ def main() -> None:
                 for s in order:
                     got[s.name] = load(s, requests, c, args.n, args.temp)
                     results.setdefault((s.name, c), []).append(got[s.name])
+                    loop = got[s.name].loop_us
                     print(f"{c} clients, repeat {rep + 1}, {s.name}: {got[s.name].rate:.1f} tok/s, decode "
-                          f"{got[s.name].decode_rate:.1f} tok/s, {got[s.name].mean_tokens:.1f} tokens a request",
-                          file=sys.stderr)
+                          f"{got[s.name].decode_rate:.1f} tok/s, {got[s.name].mean_tokens:.1f} tokens a request"
+                          + ("" if loop is None else f", event loop {loop:.0f} us a token"), file=sys.stderr)
                 for s in servers:
                     ratios.setdefault((s.name, c), []).append(got[s.name].rate / got[servers[0].name].rate)
                     decode_ratios.setdefault((s.name, c), []).append(
@@ -229,13 +249,15 @@ def main() -> None:
             for s in servers:
                 s.stop()
     print(f"{'server':22} {'clients':>7} {'tok/s in all':>12} {'vs ' + specs[0][0]:>16} {'decode tok/s':>12} "
-          f"{'vs ' + specs[0][0]:>16} {'tokens/req':>10} {'TTFT p50':>9} {'TTFT p95':>9}")
+          f"{'vs ' + specs[0][0]:>16} {'tokens/req':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'loop us/tok':>11}")
     for (name, c), runs in results.items():
         agg = statistics.median(r.rate for r in runs)
         ttft = [t for r in runs for t in r.ttft]
+        loops = [r.loop_us for r in runs if r.loop_us is not None]
         print(f"{name:22} {c:>7} {agg:>12.1f} {statistics.median(ratios[(name, c)]):>15.2f}x "
               f"{statistics.median(r.decode_rate for r in runs):>12.1f} {statistics.median(decode_ratios[(name, c)]):>15.2f}x "
-              f"{statistics.mean(r.mean_tokens for r in runs):>10.1f} {pct(ttft, 50):>8.3f}s {pct(ttft, 95):>8.3f}s")
+              f"{statistics.mean(r.mean_tokens for r in runs):>10.1f} {pct(ttft, 50):>8.3f}s {pct(ttft, 95):>8.3f}s "
+              + (f"{statistics.median(loops):>11.0f}" if loops else f"{'-':>11}"))
     print(f"logs in {log_dir}", file=sys.stderr)
 
 
