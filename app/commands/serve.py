@@ -151,8 +151,10 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
                 slot_save_path=slot_save_path,
             )
             server = AnnouncingServer(
+                # asyncio's loop even where uvloop is installed: under uvloop the threads slept and woke 2.0-3.1
+                # times a streamed token against 0.9-1.1 (tests/test_compute_threads.py, docs/results.md)
                 uvicorn.Config(make_app(config, worker), host=args.host, port=args.port, log_level="warning",
-                               access_log=False, lifespan="off", timeout_graceful_shutdown=10),
+                               access_log=False, lifespan="off", timeout_graceful_shutdown=10, loop="asyncio"),
                 config.model_ids[0], worker.cancel_all)
             try:
                 server.run()
