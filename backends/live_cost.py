@@ -143,10 +143,12 @@ class LiveCurve:
         where these are medians of many)."""
         if not self._seed:
             return None
-        if self._curve is None:
-            out = [self.seconds(k) for k in range(1, len(self._seed) + 1)]
-            for i in range(1, len(out)):
-                out[i] = max(out[i], out[i - 1])
+        if self._curve is None:  # rebuilt after each reading, so once a step: `seconds` for every size, inlined
+            level, observed, out, top = self.level, self.observed, [], 0.0
+            for log_seed, own, weight, at in zip(self._log_seed, self._offset, self._weight, self._at):
+                w = weight * DECAY ** (observed - at)
+                top = max(top, math.exp(log_seed + (w * own + LEVEL_WEIGHT * level) / (w + LEVEL_WEIGHT)))
+                out.append(top)
             self._curve = BatchCost(tuple(out))
         return self._curve
 

@@ -61,6 +61,7 @@ class Run:
         self.by_source: dict[str, int] = {}
         self.by_choice: dict[str, int] = {}
         self.extra: dict[str, object] = {}
+        self._reports: list[Callable[[], dict[str, object]]] = []
         self._banned = np.asarray(model.eog_ids, dtype=np.int64) if params.ignore_eos and model.eog_ids else None
         if params.grammar is not None and params.grammar.n_vocab != model.n_vocab:
             raise PromptError(f"the grammar was compiled for a vocabulary of {params.grammar.n_vocab} tokens; "
@@ -204,7 +205,14 @@ class Run:
 
     # -- the end ------------------------------------------------------------
 
+    def report(self, figures: Callable[[], dict[str, object]]) -> None:
+        """A strategy's own figures (its batch rows, draft decodes, tree sizes): read into GenStats.extra when the
+        stats are taken, at the end, rather than kept current every step."""
+        self._reports.append(figures)
+
     def stats(self) -> GenStats:
+        for figures in self._reports:
+            self.extra.update(figures())
         if self.constraint is not None:  # what the grammar cost: masks, look-aheads, forced tokens
             self.extra.update(grammar_seconds=round(self.constraint.seconds, 6), grammar_masks=self.constraint.masks)
         return GenStats(

@@ -4,6 +4,7 @@ verification batches take, the cost cache, and a row's price under load (backend
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, CostCache, DeviceCost, cost_key
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.strategies.auto.decide import best_chain_length, expected_chain_tokens
+from backends.strategies.auto.decide import Choice, best_chain_length, expected_chain_tokens
 from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
                                             confidence_bin, lookup_acceptance, lookup_key)
 from backends.strategies.lookup import NgramIndex
@@ -28,6 +29,16 @@ from test_lossless import _copying_prompt
 def test_flat_curve_and_high_acceptance_speculate_long() -> None:
     k, tokens, seconds = best_chain_length([0.9] * 10, rate=100.0, t_plain=0.01, curve=lambda _k: 1.0)
     assert k == 10 and tokens > 6 and seconds == pytest.approx(0.01)
+
+
+def test_a_choice_with_its_reason_is_the_same_choice_in_every_other_field() -> None:
+    """Choice.because copies the fields by hand (dataclasses.replace costs ten times as much, once a step): a
+    field added later and left out of it fails here."""
+    values = {"option": "draft", "length": 3, "tokens": 2.5, "seconds": 0.02, "why": "before", "explore": True,
+              "switch": 0.004, "horizon": 6.0, "nodes": (0, 2)}
+    assert set(values) == {f.name for f in dataclasses.fields(Choice)}, "a new field: give it a value here"
+    choice = Choice(**values)
+    assert choice.because("after") == dataclasses.replace(choice, why="after")
 
 
 def test_steep_curve_and_low_acceptance_stay_plain() -> None:

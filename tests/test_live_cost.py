@@ -87,6 +87,21 @@ def test_a_batch_size_dearer_than_measured_is_learnt_apart_from_the_level() -> N
     assert all(a <= b for a, b in zip(curve.seconds, curve.seconds[1:]))
 
 
+def test_the_curve_is_each_sizes_prediction_made_non_decreasing() -> None:
+    """curve() builds every size's `seconds` inline (once a step): it must be exactly their prefix maxima, after
+    readings of some sizes, many of one and none of others."""
+    live = _seeded()
+    for i in range(200):
+        live.observe(1 + (i * 7) % 5, LINEAR[(i * 7) % 5] * (1.3 if i % 3 else 0.8))
+    live.observe(12, 2.0 * LINEAR[11])
+    expected, top = [], 0.0
+    for k in range(1, len(LINEAR) + 1):
+        top = max(top, live.seconds(k))
+        expected.append(top)
+    assert live.curve().seconds == tuple(expected)
+    assert len(set(expected)) > 8, "the readings moved sizes apart"
+
+
 def test_reseeding_keeps_what_was_learnt_for_the_same_curve_and_starts_over_for_a_new_one() -> None:
     live = _seeded()
     for _ in range(30):

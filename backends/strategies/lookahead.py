@@ -210,6 +210,7 @@ class LookaheadDecoding(StepMachine):
                     target.share_with(la.n_seqs)  # the grammar's steps grew sequence 0 alone
                     forced[0] = False
                 yield from la.step(run)
-            run.extra.update(la.stats())
+
+        run.report(la.stats)
 
         return drive(run, prefill, step, should_stop)

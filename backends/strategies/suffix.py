@@ -110,7 +110,8 @@ class SuffixSpeculation(StepMachine):
             totals["memory_steps"] += 1
             if self.memory is not None:
                 self.memory.record(v.nodes, v.accepted)
-            run.extra.update(mean_tree_nodes=round(totals["tree_nodes"] / max(totals["memory_steps"], 1), 3),
-                             memory_steps=totals["memory_steps"])
+
+        run.report(lambda: {"mean_tree_nodes": round(totals["tree_nodes"] / max(totals["memory_steps"], 1), 3),
+                            "memory_steps": totals["memory_steps"]})
 
         return drive(run, lambda: target.syncing(prompt[:-1], logits=False), step, should_stop)

@@ -248,8 +248,10 @@ class TreeSpeculation(StepMachine):
                 yield from chain_step(run, target, [], None)
             else:
                 yield from tree_step()
+
+        def figures() -> dict[str, object]:
             steps = max(run.forwards, 1)
-            run.extra.update(
+            return dict(
                 batch_tokens=totals["batch_tokens"],
                 draft_forwards=self.draft_forwards,
                 mean_tree_nodes=round(totals["tree_nodes"] / steps, 3),  # M, chosen per step with nodes="auto"
@@ -258,5 +260,7 @@ class TreeSpeculation(StepMachine):
                 mean_tree_leaves=round(totals["tree_leaves"] / steps, 3),  # root-to-leaf paths: branches
                 mean_accepted_path=round(run.accepted / steps, 3),
             )
+
+        run.report(figures)
 
         return drive(run, prefill, step, should_stop)

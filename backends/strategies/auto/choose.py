@@ -115,6 +115,7 @@ class Chooser:
         room = run.room() - 1
         t_plain = costs.t_plain()
         rate = costs.rate()
+        relative = costs.prices()
         plain = Choice(PLAIN, 0, 1.0, t_plain)
         options: list[Choice] = []
         tree = props.tree
@@ -126,30 +127,34 @@ class Chooser:
             # Depth is bounded by the room (the tree was built so); the node count by the context's free cells.
             cells = run.n_ctx - len(run.context)
             priced = best_subtree(tree.tree, path_reach(tree.tree, props.tree_accept),
-                                  lambda n: t_plain * costs.relative(n + 1) if n else t_plain, rate,
+                                  lambda n: t_plain * relative(n + 1) if n else t_plain, rate,
                                   self.tree_leaves, min(self.tree_nodes, cells))
             if priced.nodes:
                 options.append(Choice(MEMORY, len(priced.nodes), priced.tokens, priced.cost, nodes=priced.nodes))
             else:  # for the record, and for a try: the likeliest first token
                 first = tree.likeliest_path(props.tree_accept, 1)
-                options.append(replace(self._chain_of_one(MEMORY, props.tree_accept[first[0]], t_plain, 0.0),
-                                       nodes=tuple(first)))
+                options.append(replace(self._chain_of_one(MEMORY, props.tree_accept[first[0]], t_plain, 0.0,
+                                                          relative), nodes=tuple(first)))
         if props.lookup and room > 0:
             props.lookup_keys = [lookup_key(props.match, i) for i in range(len(props.lookup[:room]))]
-            props.lookup_accept = [st.lookup.p(key) for key in props.lookup_keys]
+            # Positions past LOOKUP_POSITIONS share a key (and each key's prior asks the position before it).
+            chance = {key: st.lookup.p(key) for key in dict.fromkeys(props.lookup_keys)}
+            props.lookup_accept = [chance[key] for key in props.lookup_keys]
             # Scaling the first position's chance scales every length's expected extra tokens alike.
             accept = list(props.lookup_accept)
             accept[0] = min(accept[0] * self.lookup_calibration.factor(), 0.99)
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, costs.relative)
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, relative)
             options.append(Choice(LOOKUP, max(k, 1), tokens, seconds) if k else
-                           self._chain_of_one(LOOKUP, accept[0], t_plain, 0.0))
+                           self._chain_of_one(LOOKUP, accept[0], t_plain, 0.0, relative))
         if self.draft is not None and room > 0:
             k_max = self.draft.max_depth(min(self.cfg.draft_max, room))  # chained MTP heads
-            options.append(self._draft_option(k_max, room, rate, t_plain))
+            options.append(self._draft_option(k_max, room, rate, t_plain, relative))
         if self.window is not None and self.window.fits(run) and room >= self.window.config.ngram:
             b, others = costs.batch()
             size = self.window.config.batch_size
-            cost = costs.shared(st.lookahead_cost.get(costs.time_relative(size, others, b)), b, others)
+            measured = st.lookahead_cost.value  # else as dear as a batch of its rows (not priced when measured)
+            cost = costs.shared(measured if measured is not None else costs.time_relative(size, others, b), b,
+                                others)
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
         best = max([plain, *options], key=lambda o: o.value(rate))
         tried = self._try(options, best, rate, t_plain, props)
@@ -158,9 +163,10 @@ class Chooser:
         if best.option != self._why_option or run.forwards - self._why_step >= WHY_EVERY:
             self._why_text = self._why(best, options, t_plain)
             self._why_option, self._why_step = best.option, run.forwards
-        return replace(best, why=self._why_text)
+        return best.because(self._why_text)
 
-    def _draft_option(self, k_max: int, room: int, rate: float, t_plain: float) -> Choice:
+    def _draft_option(self, k_max: int, room: int, rate: float, t_plain: float,
+                      relative: Callable[[float], float]) -> Choice:
         st, costs = self.state, self.costs
         if st.draft_step_tokens.value is not None and st.draft_step_cost.value is not None:
             # Measured: what draft steps (drafting until the confidence no longer pays) gave lately.
@@ -171,12 +177,12 @@ class Chooser:
             accept = [st.draft_by_pos.p(i) for i in range(k_max)]
             # A block drafter (backends.dflash) drafts the whole chain in one decode; others one per token.
             block = self.draft is not None and self.draft.chain_max is not None
-            k, tokens, seconds = best_chain_length(accept, rate, t_plain, costs.relative, 0.0 if block else t_draft,
+            k, tokens, seconds = best_chain_length(accept, rate, t_plain, relative, 0.0 if block else t_draft,
                                                    t_draft if block else 0.0)
             draft = Choice(DRAFT, k_max, tokens, seconds) if k else \
-                self._chain_of_one(DRAFT, accept[0], t_plain, t_draft)
-        return replace(draft, length=k_max, switch=self.catch_up_seconds(t_plain),
-                       horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON)))
+                self._chain_of_one(DRAFT, accept[0], t_plain, t_draft, relative)
+        return Choice(DRAFT, k_max, draft.tokens, draft.seconds, switch=self.catch_up_seconds(t_plain),
+                      horizon=max(1.0, min(room / max(draft.tokens, 1.0), SWITCH_HORIZON)))
 
     def _try(self, options: list[Choice], best: Choice, rate: float, t_plain: float,
              props: Proposals) -> Choice | None:
@@ -250,9 +256,11 @@ class Chooser:
         to come (its room, at most ANSWER_HORIZON tokens)."""
         return self.catch_up_seconds(t_plain) <= EAGER_SHARE * min(self.run.room(), ANSWER_HORIZON) * t_plain
 
-    def _chain_of_one(self, option: str, accept: float, t_plain: float, extra: float) -> Choice:
+    @staticmethod
+    def _chain_of_one(option: str, accept: float, t_plain: float, extra: float,
+                      relative: Callable[[float], float]) -> Choice:
         """The shortest chain, for the record (what it would give) when no length pays."""
-        return Choice(option, 1, 1.0 + accept, t_plain * self.costs.relative(2) + extra)
+        return Choice(option, 1, 1.0 + accept, t_plain * relative(2) + extra)
 
     @staticmethod
     def _why(best: Choice, options: list[Choice], t_plain: float) -> str:
@@ -278,6 +286,7 @@ class DraftPays:
 
     def __init__(self, state: AutoState, costs: CostModel, k_max: int, block: bool = False) -> None:
         self.state, self.costs, self.k_max = state, costs, k_max
+        self.relative = costs.prices()  # nothing it reads moves while a chain is drafted
         self.rate = costs.rate()
         self.t_plain = costs.t_plain()
         self.t_draft = 0.0 if block else costs.t_draft(self.t_plain)
@@ -286,13 +295,13 @@ class DraftPays:
 
     def _row(self, i: int) -> float:
         """Seconds the (i+1)-th drafted token's batch row adds."""
-        return self.t_plain * (self.costs.relative(i + 2) - self.costs.relative(i + 1))
+        return self.t_plain * (self.relative(i + 2) - self.relative(i + 1))
 
     def keep(self, i: int, confidence: float) -> bool:
         a = self.state.draft_by_conf.p(confidence_bin(confidence))
         # The row's price multiplied in the order it always was (rate * t_plain first), not through _row: a
         # different rounding can flip this comparison at a near tie.
-        if self.reach * a - self.rate * self.t_plain * (self.costs.relative(i + 2) - self.costs.relative(i + 1)) <= 0:
+        if self.reach * a - self.rate * self.t_plain * (self.relative(i + 2) - self.relative(i + 1)) <= 0:
             return False
         self.reach *= a
         self.a = a

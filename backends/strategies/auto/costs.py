@@ -25,7 +25,7 @@ them against expected tokens). Its inputs:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from backends.device_cost import BatchCost, DeviceCost
 from backends.strategies.auto.state import AutoState, Ewma
@@ -98,7 +98,7 @@ class CostModel:
         if self.timing():
             st = self.state
             t_plain = st.t_plain.get(self.t1 or seconds)
-            predicted = self.curve_relative(drafts + 1, self.batch()[1]) - 1.0
+            predicted = curve_relative(self.curve, drafts + 1, self.batch()[1]) - 1.0
             # A step interrupted (another process, a pause of the collector) says nothing about the curve:
             # what one step adds is bounded, so one stall moves the scale by at most a few steps' worth.
             st.batch_scale.add(min(seconds / t_plain - 1.0, 3.0 * predicted + 1.0), predicted)
@@ -183,8 +183,23 @@ class CostModel:
         more where the curve is steeper and the batch fuller, so fewer
         sequences speculate, and those whose proposals are likeliest.
         """
+        return self.prices()(k)
+
+    def prices(self) -> Callable[[float], float]:
+        """`relative` for one decision, its inputs (the curve, the batch, the correction) read once and each row
+        count priced once: nothing they hold moves until the step runs, and a decision prices the same row
+        counts many times (every chain length, every node of a candidate tree, each option's shortest chain)."""
         b, others = self.batch()
-        return self.shared(self.time_relative(k, others, b), b, others)
+        curve, scale = self.curve, self.scale()
+        memo: dict[float, float] = {}
+
+        def relative(k: float) -> float:
+            r = memo.get(k)
+            if r is None:
+                r = memo[k] = self.shared(time_relative(curve, scale, k, others, b), b, others)
+            return r
+
+        return relative
 
     @staticmethod
     def shared(time_relative: float, b: int, others: int) -> float:
@@ -193,41 +208,54 @@ class CostModel:
             return time_relative
         return 1.0 + b * (time_relative - 1.0)
 
+    def scale(self) -> float:
+        """What the curve's extra cost beyond one row is multiplied by: what verification batches took against
+        its prediction (AutoState.batch_scale), never below MIN_CURVE_SCALE."""
+        return max(self.state.batch_scale.factor(), MIN_CURVE_SCALE)
+
     def time_relative(self, k: float, others: int = 0, plain_rows: int | None = None) -> float:
         """How much longer the batch takes with k rows of this sequence than with one (alone: T(k)/T(1)), from
         the measured curve corrected by what verification batches took (`plain_rows`: curve_relative's)."""
-        base = self.curve_relative(k, others, plain_rows)
-        if self.curve is None:
-            return base
-        return 1.0 + max(self.state.batch_scale.factor(), MIN_CURVE_SCALE) * (base - 1.0)
+        return time_relative(self.curve, self.scale(), k, others, plain_rows)
 
-    def curve_relative(self, k: float, others: int = 0, plain_rows: int | None = None) -> float:
-        """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
-        never pays).
 
-        Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
-        measured on a busy machine is made non-decreasing by suffix minima (backends.device_cost.monotone), which
-        leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
-        (docs/results.md, "Figures behind design choices"). The time the rows add is measured against the tick
-        the batch would take plain (`plain_rows`: one row per sequence), not against one already slowed by the
-        others' proposals: against that, every sequence's rows look cheap once all speculate, and all go on
-        speculating in ticks slower than plain ones deliver (eight clients, each verifying 16-row memory chains:
-        ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps)."""
-        if not others:
-            return self.curve_at(k)
-        lo = others + 1
-        hi = max(others + k, lo + LOAD_SLOPE_SPAN)
-        slope = (self.curve_at(hi) - self.curve_at(lo)) / (hi - lo)
-        return 1.0 + max(slope, 0.0) * (k - 1) / self.curve_at(min(lo, plain_rows or lo))
 
-    def curve_at(self, k: float) -> float:
-        """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
-        curve = self.curve
-        if curve is None:
-            return float(k)
-        if k > len(curve.seconds):  # beyond the measurement: grow linearly from its last slope
-            n = len(curve.seconds)
-            last = curve.relative(n)
-            slope = last - curve.relative(n - 1)
-            return last + max(slope, 0.0) * (k - n)
-        return curve.relative(k)
+def time_relative(curve: BatchCost | None, scale: float, k: float, others: int = 0,
+                  plain_rows: int | None = None) -> float:
+    """curve_relative's ratio with its extra cost beyond one row multiplied by `scale` (CostModel.scale)."""
+    base = curve_relative(curve, k, others, plain_rows)
+    if curve is None:
+        return base
+    return 1.0 + scale * (base - 1.0)
+
+
+def curve_relative(curve: BatchCost | None, k: float, others: int = 0, plain_rows: int | None = None) -> float:
+    """T(others + k)/T(others + 1) as measured; without a measured curve, as steep as it gets (speculation
+    never pays).
+
+    Beside others, by the curve's slope over at least LOAD_SLOPE_SPAN rows from the batch's size: a curve
+    measured on a busy machine is made non-decreasing by suffix minima (backends.device_cost.monotone), which
+    leaves flat steps, and on a flat step one more row would look free to every sequence of a full batch
+    (docs/results.md, "Figures behind design choices"). The time the rows add is measured against the tick
+    the batch would take plain (`plain_rows`: one row per sequence), not against one already slowed by the
+    others' proposals: against that, every sequence's rows look cheap once all speculate, and all go on
+    speculating in ticks slower than plain ones deliver (eight clients, each verifying 16-row memory chains:
+    ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps)."""
+    if not others:
+        return curve_at(curve, k)
+    lo = others + 1
+    hi = max(others + k, lo + LOAD_SLOPE_SPAN)
+    slope = (curve_at(curve, hi) - curve_at(curve, lo)) / (hi - lo)
+    return 1.0 + max(slope, 0.0) * (k - 1) / curve_at(curve, min(lo, plain_rows or lo))
+
+
+def curve_at(curve: BatchCost | None, k: float) -> float:
+    """T(k)/T(1) as measured, extrapolated linearly beyond the measurement; k without a curve."""
+    if curve is None:
+        return float(k)
+    if k > len(curve.seconds):  # beyond the measurement: grow linearly from its last slope
+        n = len(curve.seconds)
+        last = curve.relative(n)
+        slope = last - curve.relative(n - 1)
+        return last + max(slope, 0.0) * (k - n)
+    return curve.relative(k)

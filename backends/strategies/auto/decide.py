@@ -52,6 +52,11 @@ class Choice:
     horizon: float = 1.0
     nodes: tuple[int, ...] = ()  # the memory: which nodes of the step's candidate tree to verify
 
+    def because(self, why: str) -> "Choice":
+        """This choice, with its reason (what dataclasses.replace does, at a tenth of its cost: once a step)."""
+        return Choice(self.option, self.length, self.tokens, self.seconds, why, self.explore, self.switch,
+                      self.horizon, self.nodes)
+
     @property
     def step_seconds(self) -> float:
         """Expected seconds of this step, with its share of the switching cost."""

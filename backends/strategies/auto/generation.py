@@ -88,6 +88,7 @@ class Generation:
         self.explored = 0
         self.tree_steps = 0  # memory steps verified as a tree (several paths)
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_step)
+        self.run.report(self.stats)
         if self.state.temperature != params.temperature:  # what the tries confirmed held at another temperature
             self.state.backoff.clear()
             self.state.temperature = params.temperature
@@ -158,7 +159,6 @@ class Generation:
             yield from self._chain([], None, PLAIN, choice, [])
         self.costs.learn(st.tokens, len(run.output) - before)
         self.costs.learn(st.seconds, time.perf_counter() - t0)
-        run.extra.update(self.stats())
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
                 and len(self.draft.tokens) < len(self.prompt) - 1 and self.chooser.draft_in_use() \
                 and self.chooser.catch_up_affordable(self.costs.t_plain()):

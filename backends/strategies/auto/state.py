@@ -9,6 +9,7 @@ they are used.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field, fields
@@ -102,9 +103,14 @@ def confidence_bin(c: float) -> int:
     return min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
 
 
+def match_bin(match: int) -> int:
+    """The bin of MATCH_BINS a match length is learnt in: the longest bin it reaches."""
+    return MATCH_BINS[bisect.bisect_right(MATCH_BINS, max(match, 1)) - 1]
+
+
 def lookup_key(match: int, position: int) -> tuple[int, int]:
     """The estimate a lookup proposal at `position` (0-based) after a `match`-token match is learnt under."""
-    return max(b for b in MATCH_BINS if b <= max(match, 1)), min(position, LOOKUP_POSITIONS)
+    return match_bin(match), min(position, LOOKUP_POSITIONS)
 
 
 def lookup_acceptance(first: float = 0.15, longest: float = 0.6) -> Acceptance:
@@ -133,7 +139,7 @@ def lookup_acceptance(first: float = 0.15, longest: float = 0.6) -> Acceptance:
 
 def memory_key(match: int, share: float, position: int) -> tuple[int, int, int]:
     """The estimate a proposal of the speculation memory is learnt under: match length bin, share bin, position."""
-    return (max(b for b in MATCH_BINS if b <= max(match, 1)), min(int(share * SHARE_BINS), SHARE_BINS - 1),
+    return (match_bin(match), min(int(share * SHARE_BINS), SHARE_BINS - 1),
             min(position, LOOKUP_POSITIONS))
 
 
