@@ -189,13 +189,15 @@ class CostModel:
         """`relative` for one decision, its inputs (the curve, the batch, the correction) read once and each row
         count priced once: nothing they hold moves until the step runs, and a decision prices the same row
         counts many times (every chain length, every node of a candidate tree, each option's shortest chain)."""
-        b, others = self.batch()
-        curve, scale = self.curve, self.scale()
         memo: dict[float, float] = {}
+        inputs: list[tuple[BatchCost | None, float, int, int]] = []  # read at the first price asked for
 
         def relative(k: float) -> float:
             r = memo.get(k)
             if r is None:
+                if not inputs:  # (a step with nothing to price, most plain steps, never rebuilds the live curve)
+                    inputs.append((self.curve, self.scale(), *self.batch()))
+                curve, scale, b, others = inputs[0]
                 r = memo[k] = self.shared(time_relative(curve, scale, k, others, b), b, others)
             return r
 
