@@ -221,7 +221,6 @@ class CostModel:
         return time_relative(self.curve, self.scale(), k, others, plain_rows)
 
 
-
 def time_relative(curve: BatchCost | None, scale: float, k: float, others: int = 0,
                   plain_rows: int | None = None) -> float:
     """curve_relative's ratio with its extra cost beyond one row multiplied by `scale` (CostModel.scale)."""
