@@ -281,7 +281,7 @@ class Thinking:
         header's own tokens as llama.cpp's budget sampler counts (reasoning-budget.cpp:78-160)."""
         from backends.harmony import START, marker_terminal, opening_grammar  # llguidance only under a grammar
 
-        params, fmt, splitter = run.params, run.params.reasoning, run.splitter
+        params, fmt = run.params, run.params.reasoning
         assert fmt is not None and params.grammar is not None
         marker = marker_terminal(self.model)
         header = fmt.after[len(START):] if fmt.after.startswith(START) else fmt.after
