@@ -28,9 +28,10 @@ generator of its own (`make_rng`).
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -107,6 +108,12 @@ def make_rng(seed: int | None) -> np.random.Generator:
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_ULP = 1.0 / (1 << 53)
+# Up to this many tokens, the sampling transform's last steps and the draw run in plain Python floats. A step's
+# Python runs cold, right after a decode streamed the weights through the caches, where each numpy call costs
+# several microseconds whatever its size: on the few tokens a sampled step keeps, plain Python is the cheaper
+# (docs/results.md, "auto's host time a step halved").
+FEW = 64
 
 
 def _mix(x: int) -> int:
@@ -140,15 +147,37 @@ class Noise:
         """The seed's noise; without a seed, fresh noise."""
         return Noise(_mix((seed + _GOLDEN) & _MASK) if seed is not None else secrets.randbits(64))
 
+    def _base(self, place: int) -> int:
+        return _mix((self.key ^ _mix((place * _GOLDEN + 1) & _MASK)) & _MASK)
+
     def gumbel(self, place: int, ids: np.ndarray) -> np.ndarray:
-        base = _mix((self.key ^ _mix((place * _GOLDEN + 1) & _MASK)) & _MASK)
-        bits = _mix_array(np.asarray(ids, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(base))
-        u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+        bits = _mix_array(np.asarray(ids, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(self._base(place)))
+        u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * _ULP
         return -np.log(-np.log(u))
 
+    def best(self, place: int, ids: Sequence[int], probs: Sequence[float]) -> int:
+        """`draw` over a few tokens in plain Python: the same uniforms as `gumbel`, bit for bit (Python ints)."""
+        base, best, token = self._base(place), -math.inf, -1
+        for x, p in zip(ids, probs):
+            if p > 0.0:
+                bits = _mix((x * _GOLDEN + base) & _MASK)
+                score = math.log(p) - math.log(-math.log((float(bits >> 11) + 0.5) * _ULP))
+                if score > best:
+                    best, token = score, x
+        return token
 
-def draw(ids: np.ndarray, probs: np.ndarray, noise: Noise, place: int) -> int:
-    """The target's token at `place` among `ids` with probabilities `probs` (> 0): Gumbel-max, an exact draw."""
+
+def draw(ids: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray, noise: Noise, place: int) -> int:
+    """The target's token at `place` among `ids` with probabilities `probs` (zeros are never drawn): Gumbel-max,
+    an exact draw. Up to FEW tokens in plain Python (Noise.best), more with numpy: which, only the number of
+    tokens decides, so every caller drawing from the same tokens draws alike."""
+    if len(ids) <= FEW:
+        return noise.best(place, ids.tolist() if isinstance(ids, np.ndarray) else ids,
+                          probs.tolist() if isinstance(probs, np.ndarray) else probs)
+    ids, probs = np.asarray(ids), np.asarray(probs, dtype=np.float64)
+    nonzero = probs > 0.0
+    if not nonzero.all():
+        ids, probs = ids[nonzero], probs[nonzero]
     if ids.size == 1:
         return int(ids[0])
     return int(ids[int(np.argmax(np.log(probs) + noise.gumbel(place, ids)))])
@@ -202,13 +231,50 @@ def kept_tokens(logits: np.ndarray, params: GenParams) -> tuple[np.ndarray, np.n
     summing to 1). `probabilities` is its dense form; `sample_logits` draws from it without the dense vector."""
     if params.greedy:
         return np.array([argmax(logits)]), np.ones(1)
-    # Select candidates on the raw float32 logits (temperature does not change
-    # their order), then work in float64 on the few that remain.
+    ids, probs = _kept(logits, params)
+    return np.asarray(ids, dtype=np.int64), np.asarray(probs, dtype=np.float64)
+
+
+def _kept(logits: np.ndarray, params: GenParams) -> tuple[Sequence[int], Sequence[float]]:
+    """kept_tokens' work (params not greedy). The candidates are selected on the raw float32 logits (temperature
+    does not change their order); the rest runs in float64 on the few that remain: in plain Python up to FEW of
+    them (lists), with numpy beyond (arrays)."""
     n = logits.shape[0]
     if 0 < params.top_k < n:
         ids = _top_k_ids(logits, params.top_k)
     else:
         ids = np.flatnonzero(logits >= logits.max() - _NEGLIGIBLE_LOGIT_GAP * params.temperature)
+    if ids.size <= FEW:
+        return kept_few(ids.tolist(), logits[ids].tolist(), params)
+    return kept_many(logits, ids, params)
+
+
+def kept_few(ids: list[int], logits: list[float], params: GenParams) -> tuple[list[int], list[float]]:
+    """`kept_many`'s transform on a few candidates, in plain Python floats."""
+    t = params.temperature
+    order = sorted(range(len(ids)), key=logits.__getitem__, reverse=True)  # stable, as argsort's "stable"
+    top = logits[order[0]] / t
+    probs = [math.exp(logits[i] / t - top) for i in order]
+    total = sum(probs)
+    probs = [p / total for p in probs]
+    keep = len(probs)
+    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p (at least one token)
+        mass = 0.0
+        for i, p in enumerate(probs):
+            mass += p
+            if mass >= params.top_p:
+                keep = min(keep, i + 1)
+                break
+    if params.min_p > 0.0:
+        floor = params.min_p * probs[0]
+        keep = min(keep, sum(1 for p in probs if p >= floor))
+    total = sum(probs[:keep])
+    return [ids[i] for i in order[:keep]], [p / total for p in probs[:keep]]
+
+
+def kept_many(logits: np.ndarray, ids: np.ndarray, params: GenParams) -> tuple[np.ndarray, np.ndarray]:
+    """The sampling transform on the candidates `ids`: temperature, then top-p and min-p on them, most likely
+    first, renormalised."""
     vals = logits[ids].astype(np.float64) / params.temperature
     order = np.argsort(-vals, kind="stable")
     ids, vals = ids[order], vals[order]
@@ -237,10 +303,7 @@ def sample_logits(logits: np.ndarray, params: GenParams, noise: Noise, place: in
     without the dense vector (what plain decoding draws every token with); greedy: the argmax."""
     if params.greedy:
         return argmax(logits)
-    ids, probs = kept_tokens(logits, params)
-    nonzero = probs > 0.0
-    if not nonzero.all():
-        ids, probs = ids[nonzero], probs[nonzero]
+    ids, probs = _kept(logits, params)
     return draw(ids, probs, noise, place)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.sampling import GenParams, Noise, _top_k_ids, draw, draw_dense, probabilities, sample, sample_logits
+from backends.sampling import (FEW, GenParams, Noise, _top_k_ids, draw, draw_dense, kept_few, kept_many, probabilities,
+                               sample, sample_logits)
 from backends.verify import Verdict, verify_draft_sampling, verify_greedy, verify_one_hot_chain
 from stats_helpers import assert_fits
 
@@ -45,6 +46,38 @@ def test_sample_logits_draws_the_token_the_dense_draw_draws() -> None:
         expected = int(np.argmax(logits)) if params.greedy else draw_dense(probabilities(logits, params), noise, place)
         differing += expected != sample_logits(logits, params, noise, place)
     assert differing == 0
+
+
+def test_the_transform_on_a_few_candidates_is_the_transform_on_many() -> None:
+    """kept_few (plain Python, up to FEW candidates) and kept_many (numpy) are one transform in two forms: on the
+    same candidates, in any order and with ties, they keep the same tokens in the same order with the same
+    probabilities, to rounding."""
+    rng = np.random.default_rng(17)
+    for trial in range(400):
+        n = int(rng.integers(1, FEW + 1))
+        logits = (rng.standard_normal(n) * float(rng.choice([0.3, 3.0, 40.0]))).astype(np.float32)
+        if trial % 4 == 0:
+            logits[rng.integers(n)] = logits[rng.integers(n)]  # a tie
+        params = GenParams(temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=0,
+                           top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05, 0.3])))
+        ids = rng.permutation(n)
+        few_ids, few_probs = kept_few(ids.tolist(), logits[ids].tolist(), params)
+        many_ids, many_probs = kept_many(logits, ids, params)
+        assert few_ids == many_ids.tolist()
+        np.testing.assert_allclose(few_probs, many_probs, rtol=1e-12, atol=1e-300)
+
+
+def test_the_draw_over_a_few_tokens_is_the_draw_over_many() -> None:
+    """Noise.best (plain Python) draws the token argmax(log p + gumbel) draws with numpy, zeros never drawn."""
+    rng = np.random.default_rng(23)
+    for trial in range(400):
+        n = int(rng.integers(1, FEW + 1))
+        ids = rng.choice(262_144, n, replace=False)
+        probs = _random_dist(rng, n, zeros=min(trial % 3, n - 1))
+        noise, place = Noise.of(int(rng.integers(1 << 40))), int(rng.integers(1 << 20))
+        kept = probs > 0
+        expected = ids[kept][int(np.argmax(np.log(probs[kept]) + noise.gumbel(place, ids[kept])))]
+        assert noise.best(place, ids.tolist(), probs.tolist()) == expected == draw(ids, probs, noise, place)
 
 
 def test_the_draw_at_each_place_follows_the_distribution_and_places_are_independent() -> None:
