@@ -420,7 +420,12 @@ class LlamaContext:
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
 
     def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
+        """Empty the cache: every cell of every sequence. Its metadata only, as llama-server's slots empty theirs
+        (llama_memory_seq_rm): llama.cpp zeroes the buffers once, at allocation, and never reads a cell that holds
+        no token (a recurrent state taken anew is zeroed in its graph, rs_z). Clearing the data as well wrote the
+        whole cache, 10-12 ms at 4,096 cells of SmolLM2 and 45-58 ms at 16,384, before the first token of every
+        request and chat turn that restored a prompt into an emptied context (docs/results.md)."""
+        llama_cpp.llama_memory_clear(self._mem, False)
 
     def warm_up(self, tokens: Sequence[int]) -> None:
         """llama.cpp's warm-up (common/common.cpp, `common_init_from_params`, which llama-server and llama-cli
