@@ -1,5 +1,6 @@
 """A streamed answer's text chunks: the frame serialized once per choice (Reply.text_chunk) writes the same bytes as
-the whole chunk object encoded each time (sse(Reply.chunk)), for both endpoints, every choice and any text."""
+the whole chunk object encoded each time (sse(Reply.chunk)), for both endpoints, every choice and any text. And how
+often the engine's thread wakes the event loop: a step a stream, once for a whole answer."""
 
 from __future__ import annotations
 
@@ -65,3 +66,37 @@ def test_chunks_ready_together_go_out_in_one_write() -> None:
         return [c async for c in coalesced(chunks(), lambda: not ready.empty())]
 
     assert asyncio.run(sent()) == [b"a", b"bcd", b"e", b"fg"]
+
+
+def test_a_whole_answer_wakes_the_event_loop_once_and_a_stream_once_a_step(tiny_engine, monkeypatch) -> None:
+    """A request that is not streamed is read only once whole: its tokens go to the event loop with its end, in
+    one hand-over, not one a step (each wakes the loop, whose CPU takes a core from the decoding threads on a
+    small machine). Its answer, log-probabilities included, is the streamed one's."""
+    from starlette.testclient import TestClient
+
+    from app.serve import EngineWorker, ServerConfig, make_app
+    from app.serve import worker as worker_module
+
+    handed: list[int] = []
+    deliver = worker_module._deliver
+    monkeypatch.setattr(worker_module, "_deliver", lambda batch: (handed.append(len(batch)), deliver(batch)))
+    worker = EngineWorker(tiny_engine)
+    worker.start()
+    try:
+        app = make_app(ServerConfig(defaults=Settings(target="t", strategy="ar"), model_ids=("t",)), worker)
+        body = {"prompt": "the cat", "max_tokens": 12, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+        with TestClient(app) as client:
+            whole = client.post("/v1/completions", json=body).json()
+            whole_handed, handed[:] = list(handed), []
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                chunks = [json.loads(line.removeprefix("data: ")) for line in s.iter_lines()
+                          if line.startswith("data: {")]
+    finally:
+        worker.stop()
+    choice = whole["choices"][0]
+    assert whole["usage"]["completion_tokens"] == 12 and len(choice["logprobs"]["tokens"]) == 12
+    assert len(whole_handed) <= 3, f"a whole answer handed over in {whole_handed}"
+    assert len(handed) >= 12, "a stream's tokens go out as they come"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]] \
+        == choice["logprobs"]["tokens"]

@@ -114,7 +114,7 @@ class Finished:
 class _Running:
     """A request in the pool: its job, when it started, its choices' ends, whether its answer has begun or gone."""
 
-    __slots__ = ("job", "t0", "started", "answered", "dones")
+    __slots__ = ("job", "t0", "started", "answered", "dones", "held")
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -122,6 +122,7 @@ class _Running:
         self.started = False  # a Prefilled came: tokens follow
         self.answered = False  # its Finished or Failed went out
         self.dones: list[Done | None] = [None] * job.request.n
+        self.held: list[tuple[int, Token]] = []  # a whole answer's tokens, handed on with its choices' ends
 
 
 class EngineWorker:
@@ -363,7 +364,10 @@ class EngineWorker:
                 r.started = True
                 self._post(job, Started(event.n_tokens))
         elif isinstance(event, Token) and event.kind != "rejected":
-            self._post(job, (k, event))
+            if job.request.stream:
+                self._post(job, (k, event))
+            else:  # read only once the answer is whole: not a wake-up of the event loop a step
+                r.held.append((k, event))
         elif isinstance(event, Done):
             self.cancelled += event.reason == "cancelled"
             _log_done(job, event, time.perf_counter() - r.t0)
@@ -374,6 +378,9 @@ class EngineWorker:
                 self._finish(job, event if r.started else Failed(done_error(event)))
                 return
             r.dones[k] = event
+            for item in r.held:
+                self._post(job, item)
+            r.held.clear()
             self._post(job, (k, event))
             if all(d is not None for d in r.dones):
                 r.answered = True

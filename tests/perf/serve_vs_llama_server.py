@@ -62,6 +62,7 @@ from app.bench.prompts import load_prompt_set  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 MODEL_ID = ["model"]  # the target file's stem: specchat serve's model id (llama-server takes any)
+STREAM = [True]  # --no-stream: whole answers
 REFERENCE_BIN = Path(os.environ.get("SPECCHAT_REF_DIR", Path.home() / ".cache/specchat-reference")) / \
     "0.3.36/build/bin"
 
@@ -125,8 +126,13 @@ class Server:
 
 def one(client: openai.OpenAI, messages: list[dict], n: int, temp: float, seed: int) -> tuple[float, int, float]:
     """(time to first content, completion tokens, seconds from the first content to the last) of one streamed chat
-    request."""
+    request; with STREAM[0] off, a whole answer's (its time for both)."""
     t0 = time.perf_counter()
+    if not STREAM[0]:
+        whole = client.chat.completions.create(model=MODEL_ID[0], messages=messages, max_tokens=n, temperature=temp,
+                                               seed=seed)
+        seconds = time.perf_counter() - t0
+        return seconds, whole.usage.completion_tokens, seconds
     first = None
     last = 0.0
     tokens = 0
@@ -212,11 +218,14 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--temp", type=float, default=0.8)
     ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("--no-stream", action="store_true",
+                    help="whole answers (no time to first token; the decode rate then holds the prompt)")
     ap.add_argument("-c", type=int, default=4096, help="context per slot")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     target, draft = resolve_model(args.m), resolve_model(args.md)
     MODEL_ID[0] = target.stem
+    STREAM[0] = not args.no_stream
     requests = [[{"role": m.role, "content": m.content} for m in p.messages] or [{"role": "user", "content": p.chat_text()}]
                 for p in load_prompt_set("chat", args.limit)]
     if args.requests is not None:  # clients kept busy, as a server in steady use (each request its own seed)
