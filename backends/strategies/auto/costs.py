@@ -190,14 +190,15 @@ class CostModel:
         count priced once: nothing they hold moves until the step runs, and a decision prices the same row
         counts many times (every chain length, every node of a candidate tree, each option's shortest chain)."""
         memo: dict[float, float] = {}
-        inputs: list[tuple[BatchCost | None, float, int, int]] = []  # read at the first price asked for
+        inputs: tuple[BatchCost | None, float, int, int] | None = None  # read at the first price asked for
 
         def relative(k: float) -> float:
+            nonlocal inputs
             r = memo.get(k)
             if r is None:
-                if not inputs:  # (a step with nothing to price, most plain steps, never rebuilds the live curve)
-                    inputs.append((self.curve, self.scale(), *self.batch()))
-                curve, scale, b, others = inputs[0]
+                if inputs is None:  # (a step with nothing to price, most plain steps, never rebuilds the live curve)
+                    inputs = (self.curve, self.scale(), *self.batch())
+                curve, scale, b, others = inputs
                 r = memo[k] = self.shared(time_relative(curve, scale, k, others, b), b, others)
             return r
 
