@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default: 3)")
     bench.add_argument("--sweep", action="store_true", help="also try a grid of K / W,N,G settings")
+    bench.add_argument("--rotate", type=int, default=0, metavar="K",
+                       help="start the configurations' turns at going first where K repeats would have left "
+                            "them: repeats run as separate processes (each --repeats 1) then take turns too")
     bench.add_argument("--control", action="store_true",
                        help="run ar twice (an A/A row): its ratio is this machine's noise")
     bench.add_argument("--cost-k-max", type=int, default=32, help="batch cost curve up to k tokens; 0 skips (default: 32)")

@@ -135,6 +135,22 @@ def test_bench_rotates_the_order_and_runs_an_aa_control(tiny, tmp_path: Path) ->
     assert "ar (control)" in r.stdout and rows["ar"]["speedup"] == 1.0
 
 
+@pytest.mark.parametrize("rotate", [1, 2])
+def test_load_bench_rotate_starts_the_turns_further_on(tiny, tmp_path: Path, rotate: int) -> None:
+    """`--rotate K`: repeats run as separate processes (each `--repeats 1`) take turns going first, as repeats in
+    one process do (tests/perf/machine_matrix.py runs repeat K with `--rotate K`)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "-m", str(tiny.target), "-s", "ar,lookup", "--control", "--clients", "2",
+         "--repeats", "1", "--rotate", str(rotate), "--limit", "2", "-n", "4", "-t", "1", "--cost-k-max", "0",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    runs = re.findall(r"^\[\d+/3\] repeat 1, 2 clients, (.+): [\d.]+ tok/s in all$", r.stderr, re.MULTILINE)
+    configs = ["ar", "lookup K=10 n<=3", "ar (control)"]
+    assert runs == configs[rotate:] + configs[:rotate]
+
+
 def test_load_bench_with_clients(tiny, tmp_path: Path) -> None:
     """`bench --clients 1,3`: every configuration at each client count, aggregate tok/s, TTFT and the ratio to
     ar at the same count, in the table, the JSON and the plot; greedy outputs are checked against ar's."""

@@ -147,8 +147,9 @@ def run_load(engine: Engine, config: BenchConfig, prompts: list[list[int]], para
 
 def run_load_bench(engine: Engine, configs: list[BenchConfig], prompts: list[list[int]], params: GenParams,
                    clients: list[int], repeats: int,
-                   progress: Callable[[str], None] = lambda _m: None) -> list[LoadResult]:
-    """Every configuration at every client count, `repeats` times, interleaved; `configs[0]` is `ar`."""
+                   progress: Callable[[str], None] = lambda _m: None, rotate: int = 0) -> list[LoadResult]:
+    """Every configuration at every client count, `repeats` times, interleaved (who goes first turns by one a
+    repeat and client count, starting `rotate` turns on); `configs[0]` is `ar`."""
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
     engine.learn_afresh()
     results = {(c.label, n): LoadResult(c, n) for n in clients for c in configs}
@@ -160,7 +161,7 @@ def run_load_bench(engine: Engine, configs: list[BenchConfig], prompts: list[lis
     for rep in range(repeats):
         for ci in range(len(clients)):
             n = clients[(ci + rep) % len(clients)]
-            first = (rep + ci) % len(configs)
+            first = (rep + ci + rotate) % len(configs)
             runs: dict[int, LoadRun] = {}
             for k in [*range(first, len(configs)), *range(first)]:
                 c = configs[k]

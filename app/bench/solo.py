@@ -145,6 +145,7 @@ def run_bench(
     draft_cost: float = 0.0,
     progress: Callable[[str], None] = lambda _m: None,
     grammars: Sequence[Grammar | None] = (),
+    rotate: int = 0,
 ) -> list[ConfigResult]:
     """Run every configuration on every prompt (`tokenized`: as the target sees it) `repeats` times.
 
@@ -152,7 +153,9 @@ def run_bench(
     run on the same prompt in the same repeat. The configurations take turns
     going first (the order rotates by one per prompt and repeat), so that none
     always follows the same one: on a shared machine a slow spell, or what
-    the run before left in the caches, then falls on each alike.
+    the run before left in the caches, then falls on each alike. `rotate`
+    starts the turns where they would be after that many repeats (repeats run
+    as separate processes, each `--repeats 1`, then take turns too).
     `grammars[i]`, when given, is what prompt i's answer must follow (the extract set's schemas).
     """
     assert configs and configs[0].strategy == "ar", "the baseline comes first"
@@ -168,7 +171,7 @@ def run_bench(
     for rep in range(repeats):
         for i, (prompt, tokens) in enumerate(zip(prompts, tokenized)):
             run_params = replace(params, grammar=grammars[i]) if i < len(grammars) and grammars[i] else params
-            first = (rep * len(prompts) + i) % len(results)
+            first = ((rep + rotate) * len(prompts) + i) % len(results)
             dones: dict[int, Done] = {}
             for n in [*range(first, len(results)), *range(first)]:
                 res = results[n]

@@ -71,6 +71,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         names = [n for n in names if n not in NEEDS_DRAFT]
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    if args.rotate < 0:
+        raise ValueError("--rotate must be 0 or more")
     prompts = load_prompt_set(args.prompts, args.limit)
     configs = build_configs(names, options, args.sweep, args.control)
     if args.requests is not None and args.clients is None:
@@ -96,7 +98,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         if args.unmasked_drafts:
             params = replace(params, mask_drafts=False)
         results = run_bench(engine, configs, prompts, tokenized, params, args.repeats, cost, draft_cost,
-                            print_progress, prompt_grammars(engine, prompts))
+                            print_progress, prompt_grammars(engine, prompts), args.rotate)
     finally:
         engine.close()
     rows = [r.summary(cost, draft_cost) for r in results]
@@ -194,7 +196,8 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
         rows_max = min(settings.n_batch, max(args.cost_k_max, 16 * parallel))
         print_progress(f"measuring the batch cost curve (k = 1..{rows_max})")
         cost = engine.measure_now(tokenized[0], rows_max)
-        results = run_load_bench(engine, configs, tokenized, params, clients, args.repeats, print_progress)
+        results = run_load_bench(engine, configs, tokenized, params, clients, args.repeats, print_progress,
+                                 args.rotate)
     finally:
         engine.close()
     rows = [r.summary() for r in results]

@@ -17,8 +17,12 @@ the conditions that move the costs, one cell each, and writes the table:
   the `openai` client: tests/perf/serve_vs_llama_server.py's driver).
 
 Each cell is the median over `--repeats` of `auto`'s tokens per second in
-all against `ar`'s in the same repeat. The whole matrix is 192 cells; pick a
-part with the flags:
+all against `ar`'s in the same repeat; who goes first turns by one a repeat
+(in process, each repeat a fresh `bench` process with `--rotate`). With
+`--control`, `ar` runs a second time in each repeat (an A/A row) and the
+table gives its ratio too: the noise a cell is read against (with a busy loop
+beside it, one repeat's A/A ratio reached 1.08). The whole matrix is 192
+cells; pick a part with the flags:
 
     python tests/perf/machine_matrix.py --out docs/matrix.md
     python tests/perf/machine_matrix.py --threads 2 --hog off --drafts q2,f32 --clients 1,4 --temps 0.8 --modes inproc
@@ -66,26 +70,31 @@ def draft_path(name: str, target: Path) -> Path:
     raise SystemExit(f"unknown draft {name!r}: q2, q8 or f32")
 
 
+Ratios = dict[str, dict[int, list[float]]]  # "auto" (and "control": ar's second run) -> clients -> per repeat
+
+
 def inproc(target: Path, draft: Path, threads: int, clients: list[int], temp: float, args: argparse.Namespace
-           ) -> dict[int, list[float]]:
-    """auto / ar per client count, one figure per repeat, from `specchat bench --clients`."""
-    ratios: dict[int, list[float]] = {}
-    for _ in range(args.repeats):
+           ) -> Ratios:
+    """auto / ar (and ar / ar) per client count, one figure per repeat, from `specchat bench --clients`."""
+    ratios: Ratios = {}
+    for rep in range(args.repeats):
         with tempfile.TemporaryDirectory() as out:
             subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", "ar,auto",
                             "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests",
                             str(args.requests), "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1",
+                            "--rotate", str(rep), *(["--control"] if args.control else []),
                             "-t", str(threads), "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
             for row in json.loads((Path(out) / "bench.json").read_text())["load"]:
-                if row["strategy"] == "auto":
-                    ratios.setdefault(row["clients"], []).append(row["speedup_vs_ar"])
+                kind = "auto" if row["strategy"] == "auto" else "control" if row["label"] != "ar" else None
+                if kind is not None:
+                    ratios.setdefault(kind, {}).setdefault(row["clients"], []).append(row["speedup_vs_ar"])
     return ratios
 
 
 def http(target: Path, draft: Path, threads: int, clients: list[int], temp: float, args: argparse.Namespace
-         ) -> dict[int, list[float]]:
-    """auto / ar per client count over HTTP, streamed: two servers, driven alternately."""
+         ) -> Ratios:
+    """auto / ar (and ar / ar) per client count over HTTP, streamed: two servers (three), driven in turns."""
     from serve_vs_llama_server import MODEL_ID, Server, load
 
     MODEL_ID[0] = target.stem
@@ -93,17 +102,18 @@ def http(target: Path, draft: Path, threads: int, clients: list[int], temp: floa
                 [{"role": "user", "content": p.chat_text()}] for p in load_prompt_set("chat", 8)]
     requests = [requests[i % len(requests)] for i in range(args.requests)]
     log_dir = Path(tempfile.mkdtemp(prefix="matrix-"))
-    ratios: dict[int, list[float]] = {}
-    servers = [Server(name, flags, target, draft, max(clients), 4096, threads, log_dir)
-               for name, flags in (("ar", "-s ar"), ("auto", ""))]
+    ratios: Ratios = {}
+    specs = [("ar", "-s ar"), ("auto", ""), *([("control", "-s ar")] if args.control else [])]
+    servers = [Server(name, flags, target, draft, max(clients), 4096, threads, log_dir) for name, flags in specs]
     try:
         for s in servers:  # warm-up
             load(s, requests[:2], 2, 8, temp)
         for c in clients:
             for rep in range(args.repeats):
-                order = servers if rep % 2 == 0 else servers[::-1]
-                rate = {s.name: load(s, requests, c, args.n, temp)[0] for s in order}
-                ratios.setdefault(c, []).append(rate["auto"] / rate["ar"])
+                turn = rep % len(servers)
+                rate = {s.name: load(s, requests, c, args.n, temp)[0] for s in servers[turn:] + servers[:turn]}
+                for kind in rate.keys() - {"ar"}:
+                    ratios.setdefault(kind, {}).setdefault(c, []).append(rate[kind] / rate["ar"])
     finally:
         for s in servers:
             s.stop()
@@ -121,12 +131,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
+    ap.add_argument("--control", action="store_true", help="run ar twice in each repeat: an A/A column (the noise)")
     ap.add_argument("--out", type=Path, help="write the table here too (markdown)")
     args = ap.parse_args()
     target = resolve_model("smollm2")
     clients = [int(c) for c in args.clients.split(",")]
-    lines = ["| threads | hog | draft | temp | mode | clients | auto / ar (median) | repeats | ≥ 0.97 |",
-             "|---:|---|---|---:|---|---:|---:|---|---|"]
+    lines = ["| threads | hog | draft | temp | mode | clients | auto / ar (median) | repeats | ≥ 0.97 |"
+             + (" ar / ar (A/A) |" if args.control else ""),
+             "|---:|---|---|---:|---|---:|---:|---|---|" + ("---|" if args.control else "")]
     print("\n".join(lines), flush=True)
     for threads, hogged, draft, temp, mode in itertools.product(
             [int(t) for t in args.threads.split(",")], args.hog.split(","), args.drafts.split(","),
@@ -139,10 +151,13 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
         for c in clients:
-            got = ratios.get(c, [])
+            got = ratios.get("auto", {}).get(c, [])
             med = statistics.median(got) if got else float("nan")
             line = (f"| {threads} | {hogged} | {draft} | {temp:g} | {mode} | {c} | {med:.2f} | "
                     f"{' / '.join(f'{r:.2f}' for r in got)} | {'yes' if med >= BAR else '**no**'} |")
+            if args.control:
+                aa = ratios.get("control", {}).get(c, [])
+                line += f" {statistics.median(aa) if aa else float('nan'):.2f} ({' / '.join(f'{r:.2f}' for r in aa)}) |"
             lines.append(line)
             print(line, flush=True)
     if args.out is not None:
