@@ -370,6 +370,7 @@ class LlamaContext:
         # llama.cpp lowers n_batch to n_ctx when the context is smaller; a bigger batch would abort.
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_vocab = model.n_vocab
+        self._row = ctypes.c_float * self.n_vocab  # one row of logits, to view in place (`logits`)
 
     @property
     def ptr(self) -> ctypes.c_void_p:
@@ -387,7 +388,8 @@ class LlamaContext:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, row)
         if not ptr:
             raise DecodeError(f"no logits for batch row {row}")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        # np.ctypeslib.as_array makes a new array type each call: 3.7 us against 1 us, read at every step.
+        return np.frombuffer(self._row.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove cells of `seq` (-1: all) in [p0, p1); False if the cache cannot do a partial removal."""
