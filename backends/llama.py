@@ -388,7 +388,7 @@ class LlamaContext:
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, row)
         if not ptr:
             raise DecodeError(f"no logits for batch row {row}")
-        # np.ctypeslib.as_array makes a new array type each call: 3.7 us against 1 us, read at every step.
+        # Not np.ctypeslib.as_array, which makes a new array type each call (every step reads a row: docs/results.md).
         return np.frombuffer(self._row.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:

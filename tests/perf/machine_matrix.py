@@ -21,7 +21,7 @@ all against `ar`'s in the same repeat; who goes first turns by one a repeat
 (in process, each repeat a fresh `bench` process with `--rotate`). With
 `--control`, `ar` runs a second time in each repeat (an A/A row) and the
 table gives its ratio too: the noise a cell is read against (with a busy loop
-beside it, one repeat's A/A ratio reached 1.08). The whole matrix is 192
+beside it, wider than the bar: docs/results.md). The whole matrix is 192
 cells; pick a part with the flags:
 
     python tests/perf/machine_matrix.py --out docs/matrix.md
