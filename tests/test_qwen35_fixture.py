@@ -14,7 +14,7 @@ exactly, and that the engine takes the file's head as its drafter.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llama_cpp
@@ -138,15 +138,8 @@ def test_recurrent_rollback_with_snapshots(files: Files) -> None:
     """With n_rs_seq snapshots (llama-server's --spec-type draft-mtp asks for n_max), a verified chain's rejected
     tail is cut off the recurrent state too: the next decode is what it would have been without the tail."""
     model = LlamaModel(files.random, load_mtp=False)
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = 256, 64, 64
-    params.n_threads = params.n_threads_batch = 1
-    params.n_rs_seq = 4
-    ptr = llama_cpp.llama_init_from_model(model.ptr, params)
-    assert ptr
-    ctx = LlamaContext.__new__(LlamaContext)  # the wrapper over this raw context (ContextConfig has no n_rs_seq)
-    mem = llama_cpp.llama_get_memory(ptr)
-    ctx.model, ctx._ptr, ctx._mem, ctx.n_vocab = model, ptr, mem, model.n_vocab
+    ctx = LlamaContext(model, replace(CONFIG, n_rs_seq=4))
+    ptr, mem = ctx.ptr, llama_cpp.llama_get_memory(ctx.ptr)
     try:
         assert llama_cpp.llama_n_rs_seq(ptr) == 4
         want = _greedy(ctx, PROMPT, 3)
