@@ -244,8 +244,6 @@ class Thinking:
             if opened is None:
                 return
             tagged, answer = opened
-            if not tagged:
-                budget = None  # a block llama.cpp's parser reads but its budget does not see: unbounded
         spent, header = False, ""
         if answer is params:
             # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
@@ -263,8 +261,7 @@ class Thinking:
             again = yield from self._opening(run, None)
             if again is None:
                 return
-            tagged = again[0]
-            ended = yield from self._thinking(run, params.reasoning_budget if tagged else None, tagged)
+            ended = yield from self._thinking(run, params.reasoning_budget, again[0])
             if ended is None:
                 return
             forced = yield from self._end(run, *ended)
@@ -305,8 +302,7 @@ class Thinking:
                 if answer is not params:  # the analysis header inside the answer (a JSON string): it goes on
                     yield from self._answer(run, answer, [])
                     return
-            # A header spelt with other tokens than its own is not seen by llama.cpp's budget: unbounded.
-            ended = yield from self._thinking(run, params.reasoning_budget if tagged else None, tagged)
+            ended = yield from self._thinking(run, params.reasoning_budget, tagged)
             if ended is None:
                 return
             spent = ended[0]
@@ -318,13 +314,16 @@ class Thinking:
     def _opening(self, run: PhaseRun,
                  grammar: "Grammar | None") -> Generator[Event, object, tuple[bool, GenParams] | None]:
         """Where the model opens the block itself (Qwen3), under a budget or a grammar: the phases up to its start
-        tag. llama.cpp's budget counts from the start tag wherever the model writes it, as its tokens
+        tag. llama.cpp's budget counts from the start tag wherever the model writes it as its tokens
         (common/reasoning-budget.cpp:78-118: idle until the output's tokens end with the tag's own, then one less
-        per token; a tag spelt otherwise, " <" after a word in SmolLM2's vocabulary, is not seen), and its grammar
-        lets the block come first, optionally, then the answer (`grammar`, backends.grammar.opening_grammar).
-        After a block, the answer up to the next one. Returns (whether the budget saw the tag, the answer phase's
-        parameters: the grammar continued past a tag inside the answer), or None where the answer ended before a
-        block (its Done handed on)."""
+        per token), and its grammar lets the block come first, optionally, then the answer (`grammar`,
+        backends.grammar.opening_grammar). The budget here counts from those tags too, and from a block the parser
+        reads as the thinking however the model spelt its tag (harmony's `analy`+`sis`, `<`+`think`+`>` at the
+        start: llama.cpp's token matcher misses these and lets such a block run to max_tokens); a tag spelt
+        otherwise after text of the answer's (" <" after a word in SmolLM2's vocabulary) is the answer's text,
+        left alone as llama-server leaves it. After a block, the answer up to the next one. Returns (whether
+        the budget counts the block, the answer phase's parameters: the grammar continued past a tag inside the
+        answer), or None where the answer ended before a block (its Done handed on)."""
         params, fmt, splitter = run.params, run.params.reasoning, run.splitter
         assert fmt is not None
         tag = self._tokens(fmt.start)
@@ -352,7 +351,7 @@ class Thinking:
             # The tag inside the answer (a JSON string): the answer goes on under its grammar, which the opening
             # phase began.
             return tagged, replace(params, grammar=grammar.after(written[begun:]))
-        return tagged, params
+        return tagged or splitter.thinking, params
 
     def _thinking(self, run: PhaseRun, budget: int | None, tagged: bool,
                   counted: int = 0) -> Generator[Event, object, tuple[bool, str] | None]:
