@@ -6,6 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
+from app.bench.greedy import first_difference, greedy_gaps, top2_gap
 from backends.engine import Engine
 from backends.config import StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
@@ -51,14 +52,6 @@ def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenPar
     return done
 
 
-def top2_gap(engine: Engine, context: list[int]) -> float:
-    """The target's top-2 logit gap after `context`, computed alone (the first slot's caches are emptied)."""
-    seq = engine.target
-    seq.reset()
-    seq.sync(context)
-    top2 = np.sort(seq.logits())[-2:]
-    seq.reset()
-    return float(top2[1] - top2[0])
 
 
 def split_output(events: list) -> tuple[list[Token], Done]:
@@ -74,29 +67,6 @@ def split_output(events: list) -> tuple[list[Token], Done]:
     return tokens, done
 
 
-def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
-                grammar: Grammar | None = None) -> list[float]:
-    """Before each of `tokens` (a greedy answer to `prompt`), by how much the target prefers that token to the
-    best other one (that `grammar` allows, when the answer was generated under one): its logit less the highest
-    other logit, inf where nothing else was allowed. Read from one pass that decodes the answer with every
-    row's logits (a batch's arithmetic: a row decoded alone differs by llama.cpp's batch noise only), so a gap
-    is negative where that pass would choose otherwise. The first slot's caches are emptied."""
-    seq = engine.target
-    constraint = grammar.start() if grammar is not None else None
-    seq.reset()
-    seq.sync(prompt[:-1], logits=False)
-    fed, gaps = [prompt[-1], *tokens[:-1]], []
-    for start in range(0, len(fed), seq.batch_capacity):
-        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
-        for row, token in zip(seq.rows, tokens[start:]):
-            logits = np.array(seq.logits(row), dtype=np.float64)
-            if constraint is not None:
-                constraint.apply(logits)
-                constraint.commit(token)
-            chosen, logits[token] = logits[token], -np.inf
-            gaps.append(float(chosen - logits.max()))
-    seq.reset()
-    return gaps
 
 
 def near_tie(gaps: Sequence[float], noise: float = BATCH_NOISE) -> int:
@@ -112,10 +82,6 @@ def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
     return min(greedy_gaps(engine, prompt, out))
 
 
-def parting(a: Sequence[int], b: Sequence[int]) -> int:
-    """Where two different outputs part: the first index that differs, or the shorter length where one is a
-    prefix of the other."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
@@ -128,7 +94,7 @@ def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int],
     want, got = tuple(want), tuple(got)
     if got == want:
         return
-    i = parting(want, got)
+    i = first_difference(want, got)
     if i < len(want):
         gap = greedy_gaps(engine, prompt, want[:i + 1], grammar)[i]
     else:  # `want` ended there: its end token against the best other
@@ -159,7 +125,7 @@ def divergences_from_alone(alone: Engine, jobs: list[tuple[str, list[int], GenPa
         assert isinstance(done, Done) and done.reason in ("length", "eos"), done
         want = run_to_done(alone, "ar", prompt, params).tokens
         if done.tokens != want:
-            i = parting(done.tokens, want)
+            i = first_difference(done.tokens, want)
             divergences.append((strategy, i, top2_gap(alone, prompt + list(want[:i]))))
             print(f"divergence: {strategy} at output token {i}, top-2 logit gap alone {divergences[-1][2]:.5f}")
     return divergences

@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from app.bench.greedy import Parting, first_difference, parting
 from app.bench.prompts import BenchPrompt
 from app.errors import UserError
 from backends.config import StrategyOptions
@@ -60,7 +61,9 @@ class ConfigResult:
     accepted_at: list[int] = field(default_factory=list)
     drafted_at: list[int] = field(default_factory=list)
     greedy_match: bool | None = None  # None: not checked (sampling)
-    # Greedy runs whose output differed from ar's: where ({"category", "repeat", "token": first differing index}).
+    # Greedy runs whose output differed from ar's: where ({"category", "repeat", "token": first differing index}),
+    # by how much ar's choice won there ("gap") against the batch noise ("noise"), and whether that is a near-tie
+    # (app.bench.greedy).
     greedy_mismatches: list[dict[str, object]] = field(default_factory=list)
 
     def add(self, done: Done, cost: BatchCost | None, draft_cost: float, category: str) -> None:
@@ -103,6 +106,9 @@ class ConfigResult:
             "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "greedy_matches_ar": self.greedy_match,
             "greedy_mismatches": self.greedy_mismatches,
+            # Parted from ar's only where another batch shape may rightly choose otherwise (app.bench.greedy).
+            "greedy_near_ties_only": bool(self.greedy_mismatches) and all(m["near_tie"]
+                                                                          for m in self.greedy_mismatches),
             "choices_by_category": {c: dict(sorted(m.items())) for c, m in self.choices_by_category.items()},
             "tokens_by_source": dict(sorted(self.tokens_by_source.items())),
         }
@@ -168,6 +174,7 @@ def run_bench(
         _run(engine, c, tokenized[0], warm)
     total = repeats * len(prompts) * len(configs)
     done_runs = 0
+    partings: dict[tuple, Parting | None] = {}  # the same parting from ar's answer is measured once
     for rep in range(repeats):
         for i, (prompt, tokens) in enumerate(zip(prompts, tokenized)):
             run_params = replace(params, grammar=grammars[i]) if i < len(grammars) and grammars[i] else params
@@ -188,7 +195,17 @@ def run_bench(
                     at = first_difference(done.tokens, base.tokens)
                     res.greedy_match = res.greedy_match is not False and at is None
                     if at is not None:
-                        res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at})
+                        key = (i, base.tokens[:at + 1], at >= len(base.tokens))
+                        if key not in partings:
+                            # A thinking model's phases under a grammar each have their own: not measured.
+                            measure = run_params.grammar is None or run_params.reasoning is None
+                            partings[key] = parting(engine, tokens, base.tokens, done.tokens, run_params.grammar,
+                                                    measure)
+                        where = partings[key]
+                        assert where is not None and where.token == at
+                        res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at,
+                                                      "gap": where.gap, "noise": where.noise,
+                                                      "near_tie": where.near_tie})
                 ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
                 res.ratios.append(ratio)
                 res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
@@ -212,23 +229,25 @@ def measure_costs(engine: Engine, context: list[int], k_max: int) -> tuple[Batch
     return measured.batch, measured.draft
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where two outputs differ (one ending first counts there); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def mismatch_lines(rows: list[dict[str, object]]) -> list[str]:
-    """One line per configuration whose greedy output differed from ar's, saying on which runs and where."""
+    """Per configuration whose greedy output differed from ar's, a line for its changed tokens and one for its
+    near-ties (app.bench.greedy), saying on which runs and where."""
+    def place(m: dict) -> str:
+        measured = f", where ar's choice wins by {m['gap']:.4f} against a batch noise of {m['noise']:.4f}" \
+            if m.get("gap") is not None and m.get("noise") is not None else ""
+        return f"{m['category']} (repeat {m['repeat']}) from token {m['token']}{measured}"
+
     lines = []
     for r in rows:
-        where = r.get("greedy_mismatches") or []
-        if where:
-            runs = ", ".join(f"{m['category']} (repeat {m['repeat']}) from token {m['token']}"
-                             for m in where)  # type: ignore[index, union-attr]
-            lines.append(f"{r['label']}: greedy output differs from ar's on {runs}")
+        where: list[dict] = r.get("greedy_mismatches") or []  # type: ignore[assignment]
+        changed = [m for m in where if not m.get("near_tie")]
+        ties = [m for m in where if m.get("near_tie")]
+        if changed:
+            lines.append(f"{r['label']}: greedy output differs from ar's on " + "; ".join(map(place, changed)))
+        if ties:
+            lines.append(f"{r['label']}: parts from ar's greedy output at near-ties that llama.cpp's batch "
+                         f"arithmetic may flip (the target's greedy output either way) on "
+                         + "; ".join(map(place, ties)))
     return lines
 
 
@@ -243,7 +262,14 @@ def format_table(rows: list[dict[str, object]]) -> str:
         lines.append(
             f"{r['label']:28} {r['tokens_per_second']:8.2f} {spread:>13} {r['speedup']:6.2f} "
             f"{r['acceptance_rate']:6.2f} {r['tokens_per_forward']:7.2f} {limit:>6} "
-            f"{ {True: 'yes', False: 'NO', None: '-'}[r['greedy_matches_ar']]:>9}  {per_pos}"
+            f"{_greedy_cell(r):>9}  {per_pos}"
         )
     return "\n".join(lines)
 
+
+def _greedy_cell(row: dict[str, object]) -> str:
+    """The table's greedy=ar cell: yes, near-tie (parted only where batches may flip the choice), NO, or - (not
+    checked: sampling)."""
+    if row["greedy_matches_ar"] is False and row.get("greedy_near_ties_only"):
+        return "near-tie"
+    return {True: "yes", False: "NO", None: "-"}[row["greedy_matches_ar"]]  # type: ignore[index]

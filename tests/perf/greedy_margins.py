@@ -44,34 +44,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from app.bench.greedy import greedy_gaps, plain_pass_noise  # noqa: E402
 from app.chat_template import ChatMessage  # noqa: E402
 from app.loading import quantize  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
 from backends.grammar import compile_grammar  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
-from engine_helpers import BATCH_NOISE, greedy_gaps, near_tie, run_to_done  # noqa: E402
+from engine_helpers import BATCH_NOISE, near_tie, run_to_done  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 
-def plain_pass_noise(engine: Engine, prompt: list[int], tokens: tuple[int, ...]) -> tuple[float, int]:
-    """The answer decoded one row at a time (as `ar` does) against the same rows in one batch: the largest
-    difference of any logit, and at how many positions the two passes' argmax differ."""
-    seq = engine.target
-    seq.reset()
-    seq.sync(prompt)
-    alone = [np.array(seq.logits(), dtype=np.float64)]
-    for token in tokens[:-1]:
-        seq.extend([token])
-        alone.append(np.array(seq.logits(), dtype=np.float64))
-    seq.reset()
-    seq.sync(prompt[:-1], logits=False)
-    seq.extend([prompt[-1], *tokens[:-1]], logits="all")
-    batched = [np.array(seq.logits(row), dtype=np.float64) for row in seq.rows]
-    seq.reset()
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(alone, batched))
-    flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(alone, batched))
-    return diff, flips
 
 
 def main() -> None:

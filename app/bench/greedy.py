@@ -1,0 +1,138 @@
+"""Whether a greedy output that parts from `ar`'s is a loss, or a near-tie that llama.cpp's batches may flip.
+
+At temperature 0 every strategy must write the target's greedy tokens. But
+llama.cpp's arithmetic is not batch-invariant: a row decoded in a
+verification batch, or beside other sequences, gets logits a few last bits
+away from the same row decoded alone (up to about 0.05 on the demo models:
+tests/perf/greedy_margins.py `--noise`). Where `ar`'s top two logits are
+closer than that, another batch shape may rightly choose the other token, and
+from there on the answer is another text. `auto` decides its batches from
+live timings, so its greedy answer can part from `ar`'s at such a place and
+still be the target's own greedy decoding. `specchat bench` used to print
+"NO" there, as for a strategy that changed a token; now it measures, at the
+parting token, by how much `ar`'s choice wins and how far this model's logits
+move between a row decoded alone and in a batch along the same answer, and
+says which it is.
+
+A change of batch shape moves each logit by at most the noise measured, so
+the gap between two logits by at most twice that: a parting where `ar`'s
+choice wins by less than twice the noise is a near-tie, anything more a
+changed token. The tests use the same measure (tests/engine_helpers.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from backends.engine import Engine
+from backends.grammar import Grammar
+
+
+def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
+                grammar: Grammar | None = None) -> list[float]:
+    """Before each of `tokens` (a greedy answer to `prompt`), by how much the target prefers that token to the
+    best other one (that `grammar` allows, when the answer was generated under one): its logit less the highest
+    other logit, inf where nothing else was allowed. Read from one pass that decodes the answer with every
+    row's logits (a batch's arithmetic: a row decoded alone differs by llama.cpp's batch noise only), so a gap
+    is negative where that pass would choose otherwise. The first slot's caches are emptied."""
+    seq = engine.target
+    constraint = grammar.start() if grammar is not None else None
+    seq.reset()
+    seq.sync(prompt[:-1], logits=False)
+    fed, gaps = [prompt[-1], *tokens[:-1]], []
+    for start in range(0, len(fed), seq.batch_capacity):
+        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
+        for row, token in zip(seq.rows, tokens[start:]):
+            logits = np.array(seq.logits(row), dtype=np.float64)
+            if constraint is not None:
+                constraint.apply(logits)
+                constraint.commit(token)
+            chosen, logits[token] = logits[token], -np.inf
+            gaps.append(float(chosen - logits.max()))
+    seq.reset()
+    return gaps
+
+
+def top2_gap(engine: Engine, context: list[int]) -> float:
+    """The target's top-2 logit gap after `context`, computed alone (the first slot's caches are emptied)."""
+    seq = engine.target
+    seq.reset()
+    seq.sync(context)
+    top2 = np.sort(seq.logits())[-2:]
+    seq.reset()
+    return float(top2[1] - top2[0])
+
+
+def plain_pass_noise(engine: Engine, prompt: list[int], tokens: Sequence[int]) -> tuple[float, int]:
+    """The answer decoded one row at a time (as `ar` does) against the same rows in one batch: the largest
+    difference of any logit, and at how many positions the two passes' argmax differ. The first slot's caches
+    are emptied."""
+    seq = engine.target
+    seq.reset()
+    seq.sync(prompt)
+    alone = [np.array(seq.logits(), dtype=np.float64)]
+    for token in tokens[:-1]:
+        seq.extend([token])
+        alone.append(np.array(seq.logits(), dtype=np.float64))
+    seq.reset()
+    seq.sync(prompt[:-1], logits=False)
+    fed = [prompt[-1], *tokens[:-1]]
+    batched = []
+    for start in range(0, len(fed), seq.batch_capacity):
+        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
+        batched += [np.array(seq.logits(row), dtype=np.float64) for row in seq.rows]
+    seq.reset()
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(alone, batched))
+    flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(alone, batched))
+    return diff, flips
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where two outputs differ (one ending first counts there); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass(frozen=True)
+class Parting:
+    """Where a greedy output parts from `ar`'s (`token`: the first index that differs, or where one ended), by how
+    much `ar`'s choice wins there (`gap`: its logit less the best other's, or its end token's top-2 gap where
+    `ar` ended), and the batch noise along `ar`'s answer up to there. `gap` and `noise` are None where they
+    were not measured (a thinking model's answer under a grammar, whose phases' grammars differ)."""
+
+    token: int
+    gap: float | None = None
+    noise: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.token < 0:
+            raise ValueError(f"a parting is at an output token, not {self.token}")
+        if self.noise is not None and self.noise < 0:
+            raise ValueError(f"a batch noise is a size, not {self.noise}")
+
+    @property
+    def near_tie(self) -> bool:
+        """Whether another batch shape may rightly choose otherwise here (see the module)."""
+        return self.gap is not None and self.noise is not None and self.gap < 2 * self.noise
+
+
+def parting(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
+            grammar: Grammar | None = None, measure: bool = True) -> Parting | None:
+    """Where `got` parts from `want` (`ar`'s greedy answer to `prompt`, under `grammar` if it had one), measured;
+    None where they are the same. `measure` False: only where (nothing decoded)."""
+    at = first_difference(want, got)
+    if at is None:
+        return None
+    if not measure:
+        return Parting(at)
+    if at < len(want):
+        gap = greedy_gaps(engine, prompt, want[:at + 1], grammar)[at]
+    else:  # `want` ended there: its end token against the best other
+        gap = top2_gap(engine, list(prompt) + list(want))
+    noise = plain_pass_noise(engine, prompt, list(want[:at + 1]))[0]
+    return Parting(at, gap, noise)
