@@ -7,7 +7,8 @@ Two behaviours of llama.cpp that backends.reasoning.Thinking follows there:
   holds from the end tag (backends.grammar.opening_grammar);
 - the reasoning budget counts the tokens after the start tag, wherever the model writes it (after text of its
   answer too), and forces the end tag when they are spent (common/reasoning-budget.cpp:78-118: idle until the
-  start tag's tokens, then one less per token).
+  start tag's tokens, then one less per token). specchat's also counts from a block the parser reads as the
+  thinking whose tag is spelt with other tokens, which llama.cpp's would let run on.
 
 The stand-in writes bytes (a tag is several tokens, as SmolLM2 spells `<think>`) under each phase's grammar: a
 token the grammar refuses fails the test, as no real model could write it. On real llama.cpp (SmolLM2 re-packed
@@ -255,6 +256,15 @@ def test_a_tag_spelt_with_other_tokens_is_not_the_budgets() -> None:
     assert [p.stop[:1] for p in writer.phases] == [("<think>",), ("<think>",), ("</think>",), ("<think>",)]
     _, done, _ = _generate(_writes(text, "Answer."), GenParams(max_tokens=96, reasoning=QWEN3, reasoning_budget=3))
     assert done.text == "The <think> ta</think>\n\nAnswer." and done.reasoning == ""
+
+
+def test_a_block_the_parser_reads_is_budgeted_however_its_tag_is_spelt() -> None:
+    """A block opened at the answer's start (after a space) with ` <` + `think>`: llama.cpp's budget, which waits
+    for the tag's own tokens, would let it run on; the parser reads it as the thinking, so the budget ends it."""
+    _, done, writer = _generate(_writes(" <think>\nabcdefgh", "Answer."),
+                                GenParams(max_tokens=96, reasoning=QWEN3, reasoning_budget=3), space_lt=True)
+    assert (done.reasoning, done.text) == ("ab", "Answer."), done
+    assert [p.max_tokens for p in writer.phases if p.reasoning_phase] == [3]
 
 
 def test_a_model_that_never_opens_the_block_is_one_phase_and_the_budget_cuts_nothing() -> None:
