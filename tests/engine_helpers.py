@@ -52,8 +52,6 @@ def run_to_done(engine: Engine, strategy: str, prompt: list[int], params: GenPar
     return done
 
 
-
-
 def split_output(events: list) -> tuple[list[Token], Done]:
     """A thinking model's events, checked: one Prefilled first, a Done last, the output's tokens handed on, and the
     answer's and the reasoning's pieces each making their whole. Returns the output's tokens and the Done."""
@@ -67,8 +65,6 @@ def split_output(events: list) -> tuple[list[Token], Done]:
     return tokens, done
 
 
-
-
 def near_tie(gaps: Sequence[float], noise: float = BATCH_NOISE) -> int:
     """How many of an answer's first tokens are chosen by more than `noise` (the index of the first near-tie,
     where another batch shape may rightly choose otherwise; the whole answer when there is none)."""
@@ -80,8 +76,6 @@ def min_greedy_gap(engine: Engine, prompt: list[int], n: int) -> float:
     change the greedy text."""
     out = run_to_done(engine, "ar", prompt, GenParams(max_tokens=n)).tokens
     return min(greedy_gaps(engine, prompt, out))
-
-
 
 
 def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
