@@ -234,8 +234,8 @@ class Thinking:
         if params.grammar is not None and fmt.channels:
             yield from self._harmony(run)
             return
-        answer, budget, tagged = params, params.reasoning_budget, False
-        if not fmt.opened and not fmt.channels and (params.grammar is not None or budget is not None):
+        answer, tagged = params, False
+        if not fmt.opened and not fmt.channels and (params.grammar is not None or params.reasoning_budget is not None):
             from backends.grammar import opening_grammar  # here: llguidance only where a grammar is in use
 
             grammar = None if params.grammar is None else \
@@ -248,7 +248,7 @@ class Thinking:
         if answer is params:
             # harmony's analysis header, which the model writes, is not counted (it opens no pre-phase)
             counted = len(self._tokens(fmt.start)) if fmt.channels and not fmt.opened else 0
-            ended = yield from self._thinking(run, budget, tagged, counted)
+            ended = yield from self._thinking(run, params.reasoning_budget, tagged, counted)
             if ended is None:
                 return
             spent, header = ended

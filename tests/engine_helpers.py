@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from app.bench.greedy import first_difference, greedy_gaps, top2_gap
+from app.bench.greedy import choice_gap, first_difference, greedy_gaps, top2_gap
 from backends.engine import Engine
 from backends.config import StrategyOptions
 from backends.events import REJECTED, Done, Prefilled, StepEnd, Token
@@ -89,10 +89,8 @@ def assert_greedy_agrees(engine: Engine, prompt: list[int], want: Sequence[int],
     if got == want:
         return
     i = first_difference(want, got)
-    if i < len(want):
-        gap = greedy_gaps(engine, prompt, want[:i + 1], grammar)[i]
-    else:  # `want` ended there: its end token against the best other
-        gap = top2_gap(engine, list(prompt) + list(want))
+    assert i is not None
+    gap = choice_gap(engine, list(prompt), want, i, grammar)
     assert gap < noise, (f"{what}: parts from the greedy answer at output token {i} of {len(want)} "
                          f"({want[i:i + 1]} vs {got[i:i + 1]}), where its choice wins by {gap:.5f}")
     print(f"{what}: parts from the greedy answer at a near-tie, output token {i} (its choice wins by {gap:.5f})")

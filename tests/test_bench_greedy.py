@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from app.bench.greedy import Parting, first_difference, greedy_gaps, parting
+from app.bench.greedy import Parting, choice_gap, first_difference, greedy_gaps, parting
 from app.bench.solo import format_table, mismatch_lines
 from app.chat_template import ChatMessage
 from app.prompt_format import PromptFormat
@@ -55,15 +55,17 @@ def test_the_parting_at_a_near_tie_and_at_a_clear_choice_on_real_llama(instruct_
         logits[want[i]] = -np.inf
         return want[:i] + [int(logits.argmax())]
 
-    at_tie = parting(engine, prompt, want, swapped(tie))
-    assert at_tie is not None and at_tie.token == tie and at_tie.near_tie, at_tie
+    assert first_difference(want, swapped(tie)) == tie and first_difference(want, swapped(clear)) == clear
+    at_tie = parting(engine, prompt, want, tie)
+    assert at_tie.token == tie and at_tie.near_tie, at_tie
     assert at_tie.gap == pytest.approx(gaps[tie], abs=1e-6) and at_tie.noise > 0
-    at_clear = parting(engine, prompt, want, swapped(clear))
-    assert at_clear is not None and at_clear.token == clear and not at_clear.near_tie, at_clear
-    assert parting(engine, prompt, want, want) is None
-    ended = parting(engine, prompt, want, want + [want[0]])
-    assert ended is not None and ended.token == len(want) and ended.gap is not None, ended
-    assert parting(engine, prompt, want, swapped(tie), measure=False) == Parting(tie)
+    at_clear = parting(engine, prompt, want, clear)
+    assert at_clear.token == clear and not at_clear.near_tie, at_clear
+    assert first_difference(want, want) is None
+    assert first_difference(want, want + [want[0]]) == len(want)
+    ended = parting(engine, prompt, want, len(want))
+    assert ended.token == len(want) and ended.gap is not None and ended.gap == pytest.approx(
+        choice_gap(engine, prompt, want, len(want))), ended
 
 
 def test_the_table_says_near_tie_and_the_lines_say_which_is_which() -> None:

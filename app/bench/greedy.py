@@ -24,12 +24,29 @@ assert_greedy_agrees) against a fixed bound measured once on the demo models.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from backends.engine import Engine
 from backends.grammar import Grammar
+
+
+def _batched_rows(engine: Engine, prompt: list[int], tokens: Sequence[int]) -> Iterator[np.ndarray]:
+    """The target's logits before each of `tokens` (an answer to `prompt`), from one pass that decodes the
+    answer in batches with every row's logits, row by row (float64 copies). The first slot's caches are emptied
+    once the rows are read."""
+    seq = engine.target
+    seq.reset()
+    try:
+        seq.sync(prompt[:-1], logits=False)
+        fed = [prompt[-1], *tokens[:-1]]
+        for start in range(0, len(fed), seq.batch_capacity):
+            seq.extend(fed[start:start + seq.batch_capacity], logits="all")
+            for row in seq.rows:
+                yield np.array(seq.logits(row), dtype=np.float64)
+    finally:
+        seq.reset()
 
 
 def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
@@ -39,21 +56,14 @@ def greedy_gaps(engine: Engine, prompt: list[int], tokens: Sequence[int],
     other logit, inf where nothing else was allowed. Read from one pass that decodes the answer with every
     row's logits (a batch's arithmetic: a row decoded alone differs by llama.cpp's batch noise only), so a gap
     is negative where that pass would choose otherwise. The first slot's caches are emptied."""
-    seq = engine.target
     constraint = grammar.start() if grammar is not None else None
-    seq.reset()
-    seq.sync(prompt[:-1], logits=False)
-    fed, gaps = [prompt[-1], *tokens[:-1]], []
-    for start in range(0, len(fed), seq.batch_capacity):
-        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
-        for row, token in zip(seq.rows, tokens[start:]):
-            logits = np.array(seq.logits(row), dtype=np.float64)
-            if constraint is not None:
-                constraint.apply(logits)
-                constraint.commit(token)
-            chosen, logits[token] = logits[token], -np.inf
-            gaps.append(float(chosen - logits.max()))
-    seq.reset()
+    gaps = []
+    for logits, token in zip(_batched_rows(engine, prompt, tokens), tokens):
+        if constraint is not None:
+            constraint.apply(logits)
+            constraint.commit(token)
+        chosen, logits[token] = logits[token], -np.inf
+        gaps.append(float(chosen - logits.max()))
     return gaps
 
 
@@ -78,14 +88,7 @@ def plain_pass_noise(engine: Engine, prompt: list[int], tokens: Sequence[int]) -
     for token in tokens[:-1]:
         seq.extend([token])
         alone.append(np.array(seq.logits(), dtype=np.float64))
-    seq.reset()
-    seq.sync(prompt[:-1], logits=False)
-    fed = [prompt[-1], *tokens[:-1]]
-    batched = []
-    for start in range(0, len(fed), seq.batch_capacity):
-        seq.extend(fed[start:start + seq.batch_capacity], logits="all")
-        batched += [np.array(seq.logits(row), dtype=np.float64) for row in seq.rows]
-    seq.reset()
+    batched = list(_batched_rows(engine, prompt, tokens))
     diff = max(float(np.abs(a - b).max()) for a, b in zip(alone, batched))
     flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(alone, batched))
     return diff, flips
@@ -122,18 +125,19 @@ class Parting:
         return self.gap is not None and self.noise is not None and self.gap < 2 * self.noise
 
 
-def parting(engine: Engine, prompt: list[int], want: Sequence[int], got: Sequence[int],
-            grammar: Grammar | None = None, measure: bool = True) -> Parting | None:
-    """Where `got` parts from `want` (`ar`'s greedy answer to `prompt`, under `grammar` if it had one), measured;
-    None where they are the same. `measure` False: only where (nothing decoded)."""
-    at = first_difference(want, got)
-    if at is None:
-        return None
-    if not measure:
-        return Parting(at)
+def choice_gap(engine: Engine, prompt: list[int], want: Sequence[int], at: int,
+               grammar: Grammar | None = None) -> float:
+    """By how much `ar`'s choice at output token `at` of its greedy answer `want` (under `grammar` if it had one)
+    wins: its logit less the best other's (greedy_gaps), or, where `want` ended at `at`, its end token's top-2
+    gap."""
     if at < len(want):
-        gap = greedy_gaps(engine, prompt, want[:at + 1], grammar)[at]
-    else:  # `want` ended there: its end token against the best other
-        gap = top2_gap(engine, list(prompt) + list(want))
+        return greedy_gaps(engine, prompt, want[:at + 1], grammar)[at]
+    return top2_gap(engine, list(prompt) + list(want))
+
+
+def parting(engine: Engine, prompt: list[int], want: Sequence[int], at: int,
+            grammar: Grammar | None = None) -> Parting:
+    """Another output's parting from `want` (`ar`'s greedy answer to `prompt`, under `grammar` if it had one) at
+    output token `at` (first_difference), measured."""
     noise = plain_pass_noise(engine, prompt, list(want[:at + 1]))[0]
-    return Parting(at, gap, noise)
+    return Parting(at, choice_gap(engine, prompt, want, at, grammar), noise)

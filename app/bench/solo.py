@@ -174,7 +174,7 @@ def run_bench(
         _run(engine, c, tokenized[0], warm)
     total = repeats * len(prompts) * len(configs)
     done_runs = 0
-    partings: dict[tuple, Parting | None] = {}  # the same parting from ar's answer is measured once
+    partings: dict[tuple, Parting] = {}  # the same parting from ar's answer is measured once
     for rep in range(repeats):
         for i, (prompt, tokens) in enumerate(zip(prompts, tokenized)):
             run_params = replace(params, grammar=grammars[i]) if i < len(grammars) and grammars[i] else params
@@ -198,11 +198,9 @@ def run_bench(
                         key = (i, base.tokens[:at + 1], at >= len(base.tokens))
                         if key not in partings:
                             # A thinking model's phases under a grammar each have their own: not measured.
-                            measure = run_params.grammar is None or run_params.reasoning is None
-                            partings[key] = parting(engine, tokens, base.tokens, done.tokens, run_params.grammar,
-                                                    measure)
+                            partings[key] = Parting(at) if run_params.grammar and run_params.reasoning else \
+                                parting(engine, tokens, base.tokens, at, run_params.grammar)
                         where = partings[key]
-                        assert where is not None and where.token == at
                         res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at,
                                                       "gap": where.gap, "noise": where.noise,
                                                       "near_tie": where.near_tie})
