@@ -22,10 +22,13 @@ all against `ar`'s in the same repeat; who goes first turns by one a repeat
 `--control`, `ar` runs a second time in each repeat (an A/A row) and the
 table gives its ratio too: the noise a cell is read against (with a busy loop
 beside it, wider than the bar: docs/results.md). The whole matrix is 192
-cells; pick a part with the flags:
+cells; pick a part with the flags. Each cell measured is appended to the
+record (docs/matrix.jsonl; tests/perf/matrix_record.py), and `--table` draws
+the whole matrix from the newest record of each cell on this machine, the
+cells not run yet included (docs/matrix.md):
 
-    python tests/perf/machine_matrix.py --out docs/matrix.md
     python tests/perf/machine_matrix.py --threads 2 --hog off --drafts q2,f32 --clients 1,4 --temps 0.8 --modes inproc
+    python tests/perf/machine_matrix.py --table
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +48,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
 
 from app.bench.prompts import load_prompt_set  # noqa: E402
+from matrix_record import BAR, Cell, append, commit, machine_id, newest, render  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
-BAR = 0.97  # the promise: auto at least this share of ar's tokens per second in every cell
+RECORD = ROOT / "docs" / "matrix.jsonl"
+TABLE = ROOT / "docs" / "matrix.md"
 
 
 def hog() -> subprocess.Popen:
@@ -132,8 +138,24 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--control", action="store_true", help="run ar twice in each repeat: an A/A column (the noise)")
-    ap.add_argument("--out", type=Path, help="write the table here too (markdown)")
+    ap.add_argument("--out", type=Path, help="write this run's table here too (markdown)")
+    ap.add_argument("--record", type=Path, default=RECORD, help="append each cell measured here (JSON lines)")
+    ap.add_argument("--no-record", action="store_true", help="measure without adding to the record")
+    ap.add_argument("--table", nargs="?", type=Path, const=TABLE,
+                    help=f"measure nothing: draw the whole matrix from the record into this file ({TABLE.name})")
     args = ap.parse_args()
+    machine = machine_id()
+    if args.table is not None:
+        head = ("# The machine matrix\n\nIssue 42's promise, `auto` at least 0.97× `-s ar`, cell by cell: the newest "
+                "record of each cell (docs/matrix.jsonl, appended by every run of tests/perf/machine_matrix.py), drawn "
+                "by `python tests/perf/machine_matrix.py --table`. Each repeat's figure is `auto`'s tokens per second "
+                "in all against `ar`'s in the same repeat; the A/A column is `ar` against itself (`--control`), the "
+                "noise a cell is read against. Cells measured before the record began (2026-11-29) are in "
+                "docs/results.md.\n\n")
+        args.table.write_text(head + render(newest(args.record, machine), machine), encoding="utf-8")
+        print(f"wrote {args.table}")
+        return
+    code, day = commit(ROOT), time.strftime("%Y-%m-%d")
     target = resolve_model("smollm2")
     clients = [int(c) for c in args.clients.split(",")]
     lines = ["| threads | hog | draft | temp | mode | clients | auto / ar (median) | repeats | ≥ 0.97 |"
@@ -160,6 +182,10 @@ def main() -> None:
                 line += f" {statistics.median(aa) if aa else float('nan'):.2f} ({' / '.join(f'{r:.2f}' for r in aa)}) |"
             lines.append(line)
             print(line, flush=True)
+            if got and not args.no_record:
+                append(args.record, Cell(threads, hogged, draft, temp, mode, c), got,
+                       ratios.get("control", {}).get(c, []), code=code, day=day, machine=machine,
+                       requests=args.requests, n=args.n)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
