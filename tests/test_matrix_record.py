@@ -20,9 +20,10 @@ from matrix_record import Cell, all_cells, append, newest, render  # noqa: E402
 MATRIX = ROOT / "tests" / "perf" / "machine_matrix.py"
 
 
-def _add(path: Path, cell: Cell, auto: list[float], control: list[float] = (), machine: str = "m", code: str = "c1"):
+def _add(path: Path, cell: Cell, auto: list[float], control: list[float] = (), machine: str = "m", code: str = "c1",
+         memory: bool = False):
     return append(path, cell, list(auto), list(control), code=code, day="2026-11-29", machine=machine, requests=16,
-                  n=64)
+                  n=64, memory=memory)
 
 
 def test_the_matrix_is_every_condition_once() -> None:
@@ -46,9 +47,11 @@ def test_the_newest_record_of_a_cell_on_this_machine_is_the_one_drawn(tmp_path: 
     _add(record, low, [0.90, 0.95, 0.99], [1.01, 0.97, 1.03], code="new")
     _add(record, good, [1.05])
     _add(record, good, [0.50, 0.50, 0.50], machine="another machine")
+    remembered = Cell(2, "off", "q2", 0.8, "http", 2)
+    _add(record, remembered, [3.0, 2.0], memory=True)
 
     records = newest(record, "m")
-    assert set(records) == {low, good}
+    assert set(records) == {low, good}, "a run with the memory is kept, not drawn as the cell's"
     assert records[low]["commit"] == "new" and records[good]["auto"] == [1.05]
 
     table = render(records, "m")
@@ -57,6 +60,7 @@ def test_the_newest_record_of_a_cell_on_this_machine_is_the_one_drawn(tmp_path: 
     assert sum(" not run " in r for r in rows) == 190
     assert "| 1 | on | F32 | 0 | HTTP | 8 | 0.95 | 0.90 / 0.95 / 0.99 | **no** | 1.01 (1.01 / 0.97 / 1.03) | new |" in table
     assert "| 2 | off | Q2_K | 0.8 | in process | 1 | 1.05 | 1.05 | yes |" in table
+    assert "| 2 | off | Q2_K | 0.8 | HTTP | 2 | not run |" in table
     first = table.splitlines()[0]
     assert "2 of 192 cells measured (1 over at least 3 repeats)" in first
     assert "1 at or above 0.97 by the median, 1 below: -t 1, busy core on, F32, 0, HTTP, 8 clients 0.95." in first
@@ -86,7 +90,7 @@ def test_a_measured_cell_is_appended_and_drawn(instruct_pair, tmp_path: Path) ->
     row = rows[0]
     assert row["cell"] == {"threads": 1, "hog": "off", "draft": "q2", "temp": 0.0, "mode": "inproc", "clients": 1}
     assert len(row["auto"]) == 1 and row["auto"][0] > 0 and row["control"] == []
-    assert row["requests"] == 1 and row["n"] == 4 and row["commit"] not in ("", "unknown")
+    assert row["requests"] == 1 and row["n"] == 4 and row["commit"] not in ("", "unknown") and not row["memory"]
     assert f"| 1 | off | q2 | 0 | inproc | 1 | {row['auto'][0]:.2f} |" in r.stdout
 
     r = subprocess.run([sys.executable, str(MATRIX), "--table", str(table), "--record", str(record)],

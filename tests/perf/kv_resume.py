@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from app.chat_template import ChatMessage  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
-from backends.events import Prefilled, Token  # noqa: E402
+from backends.events import Token  # noqa: E402
 from backends.kv_store import read_entry, restore, snapshot, write_entry  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402

@@ -13,7 +13,8 @@ the conditions that move the costs, one cell each, and writes the table:
 - temperatures 0 and 0.8;
 - in process (`specchat bench --clients`: the server's scheduler, both
   strategies in one run, interleaved) and over HTTP, streamed (two
-  `specchat serve` processes, `-s ar` and the default, driven alternately by
+  `specchat serve` processes, `-s ar` and the default, both without the
+  speculation memory unless `--memory`, driven alternately by
   the `openai` client: tests/perf/serve_vs_llama_server.py's driver).
 
 Each cell is the median over `--repeats` of `auto`'s tokens per second in
@@ -109,7 +110,8 @@ def http(target: Path, draft: Path, threads: int, clients: list[int], temp: floa
     requests = [requests[i % len(requests)] for i in range(args.requests)]
     log_dir = Path(tempfile.mkdtemp(prefix="matrix-"))
     ratios: Ratios = {}
-    specs = [("ar", "-s ar"), ("auto", ""), *([("control", "-s ar")] if args.control else [])]
+    off = "" if args.memory else " --no-suffix-cache"  # the speculation memory, on by default in a server
+    specs = [("ar", "-s ar" + off), ("auto", off.strip()), *([("control", "-s ar" + off)] if args.control else [])]
     servers = [Server(name, flags, target, draft, max(clients), 4096, threads, log_dir) for name, flags in specs]
     try:
         for s in servers:  # warm-up
@@ -138,6 +140,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--control", action="store_true", help="run ar twice in each repeat: an A/A column (the noise)")
+    ap.add_argument("--memory", action="store_true",
+                    help="over HTTP, the servers with the speculation memory (their default; without it they run "
+                         "--no-suffix-cache, as `bench` in process always does): the matrix's requests repeat prompts "
+                         "at one seed, which the memory answers from what it kept, so such a run is recorded apart "
+                         "and not drawn as the cell's")
     ap.add_argument("--out", type=Path, help="write this run's table here too (markdown)")
     ap.add_argument("--record", type=Path, default=RECORD, help="append each cell measured here (JSON lines)")
     ap.add_argument("--no-record", action="store_true", help="measure without adding to the record")
@@ -185,7 +192,7 @@ def main() -> None:
             if got and not args.no_record:
                 append(args.record, Cell(threads, hogged, draft, temp, mode, c), got,
                        ratios.get("control", {}).get(c, []), code=code, day=day, machine=machine,
-                       requests=args.requests, n=args.n)
+                       requests=args.requests, n=args.n, memory=mode == "http" and args.memory)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

@@ -73,11 +73,13 @@ def machine_id() -> str:
 
 
 def commit(root: Path) -> str:
-    """The code measured: HEAD's short hash, marked when the tree has changes."""
+    """The code measured: HEAD's short hash, marked when the product's code (app/, backends/, models/) has
+    changes not committed (the measurement scripts' own do not change what is measured)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "app", "backends", "models"],
+                               cwd=root,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -85,12 +87,14 @@ def commit(root: Path) -> str:
 
 
 def append(path: Path, cell: Cell, auto: list[float], control: list[float], *, code: str, day: str, machine: str,
-           requests: int, n: int) -> dict:
-    """Add one measured cell to the record (one JSON line) and return it."""
+           requests: int, n: int, memory: bool = False) -> dict:
+    """Add one measured cell to the record (one JSON line) and return it. `memory`: the servers ran with the
+    speculation memory (a server's default), which answers the matrix's prompts, repeated at one seed, from
+    what it kept: a figure of the memory, kept in the record but not drawn as the cell's."""
     if not auto:
         raise ValueError(f"no repeat measured for {cell}")
     row = {"cell": asdict(cell), "auto": [round(r, 4) for r in auto], "control": [round(r, 4) for r in control],
-           "commit": code, "day": day, "machine": machine, "requests": requests, "n": n}
+           "commit": code, "day": day, "machine": machine, "requests": requests, "n": n, "memory": memory}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row, sort_keys=True) + "\n")
@@ -98,7 +102,8 @@ def append(path: Path, cell: Cell, auto: list[float], control: list[float], *, c
 
 
 def newest(path: Path, machine: str) -> dict[Cell, dict]:
-    """The last record of each cell measured on `machine` (a later run of a cell replaces an earlier one)."""
+    """The last record of each cell measured on `machine` without the memory (a later run of a cell replaces an
+    earlier one)."""
     out: dict[Cell, dict] = {}
     if not path.exists():
         return out
@@ -110,7 +115,7 @@ def newest(path: Path, machine: str) -> dict[Cell, dict]:
             cell = Cell(**row["cell"])
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{path}:{number}: not a matrix record ({e})") from None
-        if row.get("machine") == machine:
+        if row.get("machine") == machine and not row.get("memory"):
             out[cell] = row
     return out
 
