@@ -136,20 +136,20 @@ def render(records: dict[Cell, dict], machine: str) -> str:
         + (": " + "; ".join(_name(c) + f" {medians[c]:.2f}" for c in below) if below else "") + ".",
         "",
         "| threads | busy core | draft | temp | mode | clients | `auto` / `ar` (median) | by repeat | "
-        f"≥ {BAR} | `ar` / `ar` (A/A) | commit | day |",
-        "|---:|---|---|---:|---|---:|---:|---|---|---|---|---|",
+        f"≥ {BAR} | `ar` / `ar` (A/A) | commit | day | requests × tokens |",
+        "|---:|---|---|---:|---|---:|---:|---|---|---|---|---|---|",
     ]
     for c in cells:
         head = (f"| {c.threads} | {c.hog} | {DRAFT_NAMES[c.draft]} | {c.temp:g} | {MODE_NAMES[c.mode]} | "
                 f"{c.clients} |")
         row = records.get(c)
         if row is None:
-            lines.append(head + " not run | | | | | |")
+            lines.append(head + " not run | | | | | | |")
             continue
         aa = row["control"]
         lines.append(
             head + f" {medians[c]:.2f} | {_runs(row['auto'])} | {'yes' if medians[c] >= BAR else '**no**'} | "
-            + (f"{statistics.median(aa):.2f} ({_runs(aa)})" if aa else "") + f" | {row['commit']} | {row['day']} |")
+            + (f"{statistics.median(aa):.2f} ({_runs(aa)})" if aa else "") + f" | {row['commit']} | {row['day']} | {row['requests']} × {row['n']} |")
     return "\n".join(lines) + "\n"
 
 
