@@ -58,7 +58,8 @@ def test_the_newest_record_of_a_cell_on_this_machine_is_the_one_drawn(tmp_path: 
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 192
     assert sum(" not run " in r for r in rows) == 190
-    assert "| 1 | on | F32 | 0 | HTTP | 8 | 0.95 | 0.90 / 0.95 / 0.99 | **no** | 1.01 (1.01 / 0.97 / 1.03) | new |" in table
+    assert ("| 1 | on | F32 | 0 | HTTP | 8 | 0.95 | 0.90 / 0.95 / 0.99 | **no** | 1.01 (1.01 / 0.97 / 1.03) | new | "
+            "2026-11-29 | 16 × 64 |") in table
     assert "| 2 | off | Q2_K | 0.8 | in process | 1 | 1.05 | 1.05 | yes |" in table
     assert "| 2 | off | Q2_K | 0.8 | HTTP | 2 | not run |" in table
     first = table.splitlines()[0]

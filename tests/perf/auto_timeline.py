@@ -148,7 +148,8 @@ def main() -> None:
 
     print(f"\n{args.clients} clients, draft {args.md}, -t {args.t}, temp {args.temp:g}, blocks of {block_n} "
           f"requests of {args.n} tokens\n")
-    print("| phase | from, s | to, s | `auto` / `ar` (median of block pairs) | by pair | `auto`'s steps: speculating / all |")
+    print("| phase | from, s | to, s | `auto` / `ar` (median of block pairs) | by pair "
+          "| `auto`'s steps: speculating / all |")
     print("|---|---:|---:|---:|---|---:|")
     for i, (name, start, end) in enumerate(bounds):
         mine = [b for b in blocks if start <= b.start < end]

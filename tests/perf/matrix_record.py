@@ -78,9 +78,8 @@ def commit(root: Path) -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "app", "backends", "models"],
-                               cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "app", "backends",
+                                "models"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
@@ -149,7 +148,8 @@ def render(records: dict[Cell, dict], machine: str) -> str:
         aa = row["control"]
         lines.append(
             head + f" {medians[c]:.2f} | {_runs(row['auto'])} | {'yes' if medians[c] >= BAR else '**no**'} | "
-            + (f"{statistics.median(aa):.2f} ({_runs(aa)})" if aa else "") + f" | {row['commit']} | {row['day']} | {row['requests']} × {row['n']} |")
+            + (f"{statistics.median(aa):.2f} ({_runs(aa)})" if aa else "")
+            + f" | {row['commit']} | {row['day']} | {row['requests']} × {row['n']} |")
     return "\n".join(lines) + "\n"
 
 
