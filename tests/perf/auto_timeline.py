@@ -40,6 +40,7 @@ from app.loading import open_engine  # noqa: E402
 from app.prompt_format import PromptFormat  # noqa: E402
 from backends.config import AUTO_K_MAX, StrategyOptions  # noqa: E402
 from backends.events import Done, Event, StepEnd, Token  # noqa: E402
+from backends.registry import n_seq_needed  # noqa: E402
 from backends.slot_pool import SlotPool  # noqa: E402
 from machine_matrix import hog  # noqa: E402
 
@@ -109,7 +110,9 @@ def main() -> None:
                                      str(args.temp), "--seed", "1", "-n", str(args.n), "--no-memory"])
     settings = settings_from_args(cli)
     t_load = time.perf_counter()
-    engine = open_engine(settings, 1, lambda m: print(m, file=sys.stderr), n_parallel=args.clients)
+    # Room for every sequence id `auto` may use (lookahead's window), in each slot, as the load bench opens it.
+    engine = open_engine(settings, n_seq_needed("auto", settings.options), lambda m: print(m, file=sys.stderr),
+                         n_parallel=args.clients)
     chat = load_prompt_set("chat", 8)
     prompts = bench_tokens(PromptFormat(engine), chat, False, "")
     # As `specchat serve` does with more than one slot: the device's cost measured at start (the seed the live
