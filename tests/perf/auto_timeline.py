@@ -42,9 +42,8 @@ from backends.config import AUTO_K_MAX, StrategyOptions  # noqa: E402
 from backends.events import Done, Event, StepEnd, Token  # noqa: E402
 from backends.registry import n_seq_needed  # noqa: E402
 from backends.slot_pool import SlotPool  # noqa: E402
+from backends.strategies.auto.decide import PLAIN  # noqa: E402  StepEnd.choice of a step that drafted nothing
 from machine_matrix import hog  # noqa: E402
-
-SPECULATING = ("draft", "lookup", "lookahead", "tree", "memory")
 
 
 @dataclass
@@ -73,7 +72,7 @@ def run_block(pool: SlotPool, strategy: str, options: StrategyOptions, prompts: 
         if isinstance(event, Token) and event.kind != "rejected":
             block.tokens += 1
         elif isinstance(event, StepEnd) and strategy == "auto":
-            choice = event.choice or "plain"
+            choice = event.choice or PLAIN
             block.steps[choice] = block.steps.get(choice, 0) + 1
             steps.append((time.perf_counter() - t_load, choice))
         elif isinstance(event, Done):
@@ -158,7 +157,7 @@ def main() -> None:
         mine = [b for b in blocks if start <= b.start < end]
         autos, ars = [b for b in mine if b.strategy == "auto"], [b for b in mine if b.strategy == "ar"]
         pairs = [a.rate / r.rate for a, r in zip(autos, ars) if r.rate]
-        spec = sum(n for b in autos for c, n in b.steps.items() if c in SPECULATING)
+        spec = sum(n for b in autos for c, n in b.steps.items() if c != PLAIN)
         total = sum(n for b in autos for n in b.steps.values())
         print(f"| {i + 1}. {name} | {start:.0f} | {end:.0f} | "
               f"{statistics.median(pairs) if pairs else float('nan'):.2f} | {' / '.join(f'{p:.2f}' for p in pairs)} "
@@ -177,7 +176,7 @@ def main() -> None:
             counts: dict[str, int] = {}
             for c in inside:
                 counts[c] = counts.get(c, 0) + 1
-            spec = sum(n for c, n in counts.items() if c in SPECULATING)
+            spec = sum(n for c, n in counts.items() if c != PLAIN)
             print(f"| {lo:.0f} | {phase} | {spec} / {len(inside)} | "
                   + ", ".join(f"{c} {n}" for c, n in sorted(counts.items())) + " |")
 
