@@ -44,6 +44,7 @@ from backends.registry import n_seq_needed  # noqa: E402
 from backends.slot_pool import SlotPool  # noqa: E402
 from backends.strategies.auto.decide import PLAIN  # noqa: E402  StepEnd.choice of a step that drafted nothing
 from machine_matrix import hog  # noqa: E402
+from matrix_record import runs_text  # noqa: E402
 
 
 @dataclass
@@ -160,7 +161,7 @@ def main() -> None:
         spec = sum(n for b in autos for c, n in b.steps.items() if c != PLAIN)
         total = sum(n for b in autos for n in b.steps.values())
         print(f"| {i + 1}. {name} | {start:.0f} | {end:.0f} | "
-              f"{statistics.median(pairs) if pairs else float('nan'):.2f} | {' / '.join(f'{p:.2f}' for p in pairs)} "
+              f"{statistics.median(pairs) if pairs else float('nan'):.2f} | {runs_text(pairs)} "
               f"| {spec} / {total} |")
     print(f"\n`auto`'s steps by {args.window:g} s of the run (time since load): speculating / all, and what they "
           "verified\n")

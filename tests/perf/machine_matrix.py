@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
 
 from app.bench.prompts import load_prompt_set  # noqa: E402
-from matrix_record import BAR, Cell, append, commit, machine_id, newest, render  # noqa: E402
+from matrix_record import BAR, Cell, append, commit, machine_id, newest, render, runs_text  # noqa: E402
 from models.resolve import resolve_model  # noqa: E402
 
 RECORD = ROOT / "docs" / "matrix.jsonl"
@@ -183,10 +183,10 @@ def main() -> None:
             got = ratios.get("auto", {}).get(c, [])
             med = statistics.median(got) if got else float("nan")
             line = (f"| {threads} | {hogged} | {draft} | {temp:g} | {mode} | {c} | {med:.2f} | "
-                    f"{' / '.join(f'{r:.2f}' for r in got)} | {'yes' if med >= BAR else '**no**'} |")
+                    f"{runs_text(got)} | {'yes' if med >= BAR else '**no**'} |")
             if args.control:
                 aa = ratios.get("control", {}).get(c, [])
-                line += f" {statistics.median(aa) if aa else float('nan'):.2f} ({' / '.join(f'{r:.2f}' for r in aa)}) |"
+                line += f" {statistics.median(aa) if aa else float('nan'):.2f} ({runs_text(aa)}) |"
             lines.append(line)
             print(line, flush=True)
             if got and not args.no_record:

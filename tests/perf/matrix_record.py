@@ -119,7 +119,8 @@ def newest(path: Path, machine: str) -> dict[Cell, dict]:
     return out
 
 
-def _runs(values: list[float]) -> str:
+def runs_text(values: list[float]) -> str:
+    """Each repeat's figure, as the tables print them: `1.02 / 0.97 / 1.05`."""
     return " / ".join(f"{v:.2f}" for v in values)
 
 
@@ -147,8 +148,8 @@ def render(records: dict[Cell, dict], machine: str) -> str:
             continue
         aa = row["control"]
         lines.append(
-            head + f" {medians[c]:.2f} | {_runs(row['auto'])} | {'yes' if medians[c] >= BAR else '**no**'} | "
-            + (f"{statistics.median(aa):.2f} ({_runs(aa)})" if aa else "")
+            head + f" {medians[c]:.2f} | {runs_text(row['auto'])} | {'yes' if medians[c] >= BAR else '**no**'} | "
+            + (f"{statistics.median(aa):.2f} ({runs_text(aa)})" if aa else "")
             + f" | {row['commit']} | {row['day']} | {row['requests']} × {row['n']} |")
     return "\n".join(lines) + "\n"
 
