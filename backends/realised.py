@@ -17,9 +17,10 @@ batch size (`Realised.allows`).
 
 Evidence goes stale, both ways: while speculation is held back there are no
 new speculating ticks, and while everyone speculates no plain ones. Where
-plain evidence is older than PLAIN_EVERY ticks, every PLAIN_EVERY-th tick is
-plain for everyone (`plain_due`): at most that share of ticks, where
-speculation pays, is spent keeping the plain rate current. Evidence older
+plain evidence is older than PLAIN_EVERY ticks, two ticks in every
+PLAIN_EVERY are plain for everyone (`plain_due`; the second is the
+evidence, as below): at most that share of ticks, where speculation pays,
+is spent keeping the plain rate current. Evidence older
 than STALE ticks counts a quarter in the rate when new evidence of its kind
 comes, so that once speculation is held back, a probe tick now and then
 (where sequences decide as they would) is judged with it at once: a probe
@@ -27,6 +28,19 @@ that finds speculation paying lets it run again (within a few probes after a
 busy spell ends), one that does not keeps it held back, and no ticks
 speculate unchecked in between.
 Ticks that decode a prompt chunk are not counted: they are neither.
+
+Plain evidence is what plain decoding would deliver, not what `auto`
+delivers when it looks for proposals and then decodes plainly: a sequence
+that was allowed to speculate marks it (`deciding`), and a tick whose rows
+such a sequence chose counts with speculation's ticks, whatever it chose,
+since its lookups, pricing and events are speculation's cost. A tick is
+plain evidence only where nobody decided its rows nor, within it, the next
+tick's (a sequence decides its next rows in the tick that verified its
+last: the scheduler runs it on while the logits are valid), so a due plain
+tick holds two decision points back. Measured at 8 clients over HTTP with a
+draft that never paid (docs/results.md, 2026-11-29): `auto`'s own plain
+ticks ran 5% under `ar`'s; judged against them, MARGIN stacked on that cost
+and let `auto` run about 6% under plain decoding.
 
 Where a batch size has speculating evidence and too little plain evidence
 to judge by (a burst of new clients, a batch size not seen before: plain
@@ -71,7 +85,7 @@ DECAY = 0.95
 # Evidence older than STALE ticks weighs STALE_WEIGHT in the rate when new evidence of its kind comes.
 STALE = 64
 STALE_WEIGHT = 0.25
-# Where speculation has evidence and plain ticks have none this recent, every PLAIN_EVERY-th tick is plain.
+# Where speculation has evidence and plain ticks have none this recent, two ticks in every PLAIN_EVERY are plain.
 PLAIN_EVERY = 32
 # Without enough plain ticks at a batch size, speculation is held back where it delivers less than this share
 # below the plain rate the live curve predicts (which knows the host's work per tick only as far as plain ticks
@@ -80,7 +94,7 @@ PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 1
+FORMAT = 2  # 2: plain evidence without `auto`'s decisions (1 counted them plain)
 
 
 @dataclass
@@ -127,13 +141,32 @@ class Realised:
     tick: int = 0
     # Seconds of a target decode of n rows, from the lane's live curve (the scheduler's); None: no prediction.
     plain_seconds: Callable[[int], float | None] | None = field(default=None, compare=False, repr=False)
+    # Whether a sequence decided, among proposals, the rows of this tick (`_rows_decided`) and of the next one.
+    _rows_decided: bool = field(default=False, compare=False, repr=False)
+    _deciding: bool = field(default=False, compare=False, repr=False)
+
+    def deciding(self) -> None:
+        """A sequence allowed to speculate decides its next rows now: they, and this tick's work, count with
+        speculation's ticks."""
+        self._deciding = True
 
     def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One tick at this batch size: did anyone speculate, how many tokens it committed, how long it took."""
+        """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
+        Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's."""
         if seconds <= 0:
             return
-        rates = self.speculated if speculated else self.plain
+        if speculated or self._rows_decided:
+            rates = self.speculated
+        elif not self._deciding:
+            rates = self.plain
+        else:  # plain rows, but the next tick's decisions ran in it: neither
+            return
         rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+
+    def next_tick(self) -> None:
+        """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
+        self.tick += 1
+        self._rows_decided, self._deciding = self._deciding, False
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
@@ -168,9 +201,10 @@ class Realised:
         return decode
 
     def plain_due(self, sequences: int) -> bool:
-        """This tick is plain for everyone: speculation has evidence here, plain ticks have none this recent."""
+        """Decide plainly now: speculation has evidence here, plain ticks have none this recent. Two ticks in a
+        row are due, so that the second is plain evidence (nobody decided its rows nor, in it, the next ones)."""
         spec, plain = self.speculated.get(sequences), self.plain.get(sequences)
-        return spec is not None and spec.count >= MIN_SPECULATED and self.tick % PLAIN_EVERY == 0 and \
+        return spec is not None and spec.count >= MIN_SPECULATED and self.tick % PLAIN_EVERY < 2 and \
             (plain is None or self.tick - plain.last_tick >= PLAIN_EVERY)
 
     def allows(self, sequences: int) -> bool:

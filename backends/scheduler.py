@@ -189,7 +189,7 @@ class Scheduler:
         realised = self.load.realised
         if decoded and not self._prompt:
             realised.add(self.load.sequences, self._speculated, self._tokens, time.perf_counter() - t0)
-        realised.tick += 1
+        realised.next_tick()
         self.load.running = max(len(self._active), 1)
         if not self._active:
             self.load.sequences, self.load.rows = 1, 1  # whoever decodes next decodes alone

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -28,7 +29,7 @@ from test_lossless import _copying_prompt
 def _ticks(realised: Realised, n: int, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
     for _ in range(n):
         realised.add(sequences, speculated, tokens, seconds)
-        realised.tick += 1
+        realised.next_tick()
 
 
 def test_speculation_is_held_back_where_its_ticks_deliver_less_than_plain_ones() -> None:
@@ -87,33 +88,76 @@ def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() 
     for _ in range(3 * STALE):  # plain ticks only, as when every sequence is held back
         allowed.append(r.allows(1))
         r.add(1, False, 1, 0.02)
-        r.tick += 1
+        r.next_tick()
     probes = [i for i, a in enumerate(allowed) if a]
     assert probes and len(probes) <= 3, f"a probe per {STALE} stale ticks at most: {probes}"
     # A probe that finds speculation losing as before keeps it held back at once: no unchecked ticks after it.
     again = copy.deepcopy(r)
     again.add(1, True, 1, 0.03)
-    again.tick += 1
+    again.next_tick()
     assert again.pays(1) is False and not again.allows(1)
     # The machine changed: a probe's speculating tick now delivers twice the plain rate. Stale evidence
     # weighs a quarter in the rate, so the probe is judged with it and speculation runs again.
     r.add(1, True, 4, 0.02)
-    r.tick += 1
+    r.next_tick()
     assert r.pays(1) is True and r.allows(1)
     _ticks(r, int(MIN_SPECULATED) + 2, 1, True, 4, 0.02)
     assert r.pays(1) is True
 
 
+def _drive(r: Realised, ticks: int, sequences: int, tick: Callable[[str], tuple[int, float]]) -> list[str]:
+    """Ticks as the scheduler runs them under `auto`: each decodes the rows its sequences chose in the tick
+    before, and in it they choose the next tick's (allowed to: they decide, `deciding`). `tick(rows)` gives the
+    tokens and seconds of a tick whose rows were "held" (no decision) or "decided"."""
+    rows, kinds = "held", []
+    for _ in range(ticks):
+        decides = r.allows(sequences)
+        if decides:
+            r.deciding()
+        tokens, seconds = tick(rows)
+        r.add(sequences, tokens > sequences, tokens, seconds)
+        r.next_tick()
+        kinds.append(rows)
+        rows = "decided" if decides else "held"
+    return kinds
+
+
 def test_where_everyone_speculates_a_bounded_share_of_ticks_is_plain() -> None:
     r = Realised()
-    plain_ticks = 0
-    for _ in range(20 * PLAIN_EVERY):
-        speculate = r.allows(3)
-        plain_ticks += not speculate
-        r.add(3, speculate, 3 if speculate else 1, 0.02)
-        r.tick += 1
-    assert 10 <= plain_ticks <= 21, f"one plain tick per {PLAIN_EVERY} keeps the plain rate current: {plain_ticks}"
+    kinds = _drive(r, 20 * PLAIN_EVERY, 3, lambda rows: (9, 0.02) if rows == "decided" else (3, 0.02 / 1.5))
+    held = kinds.count("held")
+    assert 20 <= held <= 42, f"two plain ticks per {PLAIN_EVERY} keep the plain rate current: {held}"
     assert r.pays(3) is True
+    assert r.plain[3].rate == pytest.approx(225.0), "only held ticks (nobody decided) are plain evidence"
+
+
+def test_a_tick_auto_decided_counts_with_speculation_whatever_it_chose() -> None:
+    """`auto` looks its proposals up and prices them, then often decodes plainly: those ticks are its cost, not
+    plain decoding's. Here its ticks, speculating or not, deliver 0.95x what held-back (plain) ticks do: held
+    back, though its speculating ticks deliver as much as its own plain ones (judged against those, as before,
+    it would speculate on at 0.95x plain decoding)."""
+    r = Realised()
+    r.deciding()  # decided in this tick: its rows are plain (no decision), but it is no plain evidence
+    r.add(2, False, 2, 0.02)
+    assert not r.plain and not r.speculated
+    r.next_tick()
+    r.add(2, False, 2, 0.02)  # plain rows that a decision chose: speculation's evidence
+    assert not r.plain and r.speculated[2].count == 1
+    r.next_tick()
+    r.add(2, False, 2, 0.02)  # nobody decided its rows nor in it: plain evidence
+    assert r.plain[2].count == 1
+
+    r, turn = Realised(), iter(range(1 << 20))
+
+    def tick(rows: str) -> tuple[int, float]:
+        if rows == "held":
+            return 2, 0.02  # 100 tok/s
+        return (3, 0.0316) if next(turn) % 2 else (2, 0.0211)  # 95 tok/s either way: lookups, pricing, events
+
+    kinds = _drive(r, 12 * PLAIN_EVERY, 2, tick)
+    assert r.plain[2].rate == pytest.approx(100.0) and r.speculated[2].rate == pytest.approx(95.0, rel=0.01)
+    assert r.pays(2) is False and not r.allows(2)
+    assert kinds[-STALE:].count("held") >= STALE - 2, "held back, but for a probe"
 
 
 def _pool_run(engine: Engine, jobs: list[tuple[str, list[int]]], params: GenParams,
@@ -182,6 +226,31 @@ def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> No
         assert held == {"plain"}, held
         assert held_tokens == tokens
         assert not looked_up, "held back, a step looks no proposals up"
+        assert losing.plain[1].last_tick > 40 and losing.speculated[1].last_tick == 39, \
+            "held back, nobody decides: its ticks are plain evidence"
+    finally:
+        engine.close()
+
+
+def test_ticks_whose_rows_auto_decided_count_with_speculation_even_when_it_chose_plain(tiny) -> None:
+    """Real llama.cpp, two `auto` sequences in one batch, a cost model where no chain can pay (a row costs a
+    token's time) and no exploration: every step decodes plainly, yet every tick after the first token is
+    speculation's evidence (its lookups and pricing are speculation's cost), none plain decoding's."""
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, n_parallel=2,
+                                 cost_cache=Path("")))
+    engine._cost = DeviceCost(BatchCost(tuple(0.01 * k for k in range(1, 17))), 0.0)
+    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
+    params = GenParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    try:
+        engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+        prompts = [_copying_prompt(engine), engine.tokenize("once upon a time there was")]
+        pool, events = _pool_run(engine, [("auto", p) for p in prompts], params, options)
+        assert {e.choice for run in events for e in run if isinstance(e, StepEnd)} == {"plain"}  # type: ignore
+        realised = pool.scheduler.load.realised
+        assert not realised.plain, f"no plain evidence: {realised.plain}"
+        ticks = realised.speculated[2]
+        assert ticks.count > 10 and ticks.tokens == pytest.approx(2 * ticks.count, rel=1e-6), \
+            "a token a sequence a tick: plain rows, counted with speculation's"
     finally:
         engine.close()
 
@@ -227,7 +296,7 @@ def test_a_stale_or_malformed_record_is_ignored() -> None:
     entry = _losing_at_2().to_json()
     now = entry["saved_at"]
     bad = [
-        None, [], {}, {**entry, "format": 2}, {**entry, "tick": -1}, {**entry, "tick": 1.5}, {**entry, "plain": []},
+        None, [], {}, {**entry, "format": 1}, {**entry, "format": 3}, {**entry, "tick": -1}, {**entry, "tick": 1.5}, {**entry, "plain": []},
         {**entry, "plain": {"0": [1, 1, 1, 0]}}, {**entry, "plain": {"x": [1, 1, 1, 0]}},
         {**entry, "plain": {"2": [1, 1, 1]}}, {**entry, "plain": {"2": [1, -1, 1, 0]}},
         {**entry, "plain": {"2": [1, float("nan"), 1, 0]}}, {**entry, "plain": {"2": [1, 1, 1, entry["tick"] + 1]}},

@@ -132,10 +132,11 @@ class Generation:
         first = not run.output
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
-        elif not self.slot.load.realised.allows(self.costs.batch()[0]):  # backends.realised: held back, no lookups
+        elif not (realised := self.slot.load.realised).allows(self.costs.batch()[0]):  # held back: no lookups
             self.proposals = Proposals([], 0, CandidateTree())
             choice = Choice(PLAIN, why=HELD_BACK)
         else:
+            realised.deciding()  # what this costs counts with speculation's ticks (backends.realised)
             if self.index is not None:
                 lookup, match = self.index.propose_with_match(run.context, min(self.cfg.draft_max, run.room() - 1),
                                                               MATCH_EXTEND)
