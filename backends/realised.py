@@ -37,10 +37,10 @@ since its lookups, pricing and events are speculation's cost. A tick is
 plain evidence only where nobody decided its rows nor, within it, the next
 tick's (a sequence decides its next rows in the tick that verified its
 last: the scheduler runs it on while the logits are valid), so a due plain
-tick holds two decision points back. Measured at 8 clients over HTTP with a
-draft that never paid (docs/results.md, 2026-11-29): `auto`'s own plain
-ticks ran 5% under `ar`'s; judged against them, MARGIN stacked on that cost
-and let `auto` run about 6% under plain decoding.
+tick holds two decision points back. Judged against `auto`'s own plain
+ticks, MARGIN stacked on the host work they carry and let `auto` run that
+much further under plain decoding where speculation about broke even (8
+clients over HTTP with a draft that never paid: docs/results.md).
 
 Where a batch size has speculating evidence and too little plain evidence
 to judge by (a burst of new clients, a batch size not seen before: plain
@@ -69,8 +69,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-# Speculation is held back where its ticks deliver less than (1 - MARGIN) x the plain ticks' rate.
-MARGIN = 0.03
+# Speculation is held back where its ticks deliver less than (1 - MARGIN) x the plain ticks' rate. None: a tick
+# that `auto` decided already carries its work (lookups, pricing, events), and speculation that only matches plain
+# decoding is worth nothing; what the promise allows (0.97x) is spent by the host work `auto` does even where it is
+# held back, and by the check's noise (3%: the Q8_0 draft at 0.8 over HTTP with 8 clients ran at 0.87-0.95x plain
+# decoding, its speculating ticks 0.97x its plain ones: docs/results.md).
+MARGIN = 0.0
 # Ticks of each kind at a batch size before the rates are compared (decayed counts).
 MIN_SPECULATED = 8.0
 MIN_PLAIN = 4.0
