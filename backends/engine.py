@@ -176,6 +176,8 @@ class Engine:
         except BaseException:
             self.close()  # a load that fails halfway (the draft, an RPC server) frees what it had loaded
             raise
+        if self.draft_lane is not None and self.draft_lane is not self.target_lane:
+            self.draft_lane.live.follows = self.target_lane.live  # a busy core slows both (backends.live_cost)
         cost_path = cost_cache_path(config.cost_cache)
         self._cost_cache = CostCache(cost_path)
         self._cost: DeviceCost | None = None

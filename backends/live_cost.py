@@ -24,6 +24,14 @@ decoded lately (weighted by their decayed counts), blended with its own as
 far as it has readings of its own: a core taken by another program shows at
 every batch size, and those not decoded lately follow the others.
 
+A draft's lane moves with the target's (`follows`): its offsets are kept
+relative to the target lane's level, since what slows one (another program
+on a core, a longer context) slows the other. A draft seldom used otherwise
+kept the time it was last seen at while the target's curve rose with a busy
+core beside it, and a draft as costly as the target read 0.5-0.7 of it: a
+draft that could never pay was priced as if it could, and drafted. What
+the draft's own decodes show beyond that ratio is learnt as before.
+
 Sequences are not a second axis: at equal rows, more sequences read more
 cells (each row attends its own sequence's), which is what the level
 follows as contexts grow; the curve is read as ratios T(a)/T(b) of one
@@ -58,7 +66,7 @@ LEVEL_WEIGHT = 1.0
 # between, starts closer than the seed, and learning follows a change within a few dozen decodes anyway; an
 # older one is from a way of using the machine that has likely changed (the seed itself is kept a month).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 1
+FORMAT = 2  # 2: a lane that follows another keeps offsets relative to its level
 # An offset beyond this (a factor of e^10) is no reading of a machine: such an entry is malformed.
 MAX_OFFSET = 10.0
 
@@ -70,7 +78,10 @@ class LiveCurve:
         self._seed: tuple[float, ...] = ()
         self._log_seed: list[float] = []
         self.observed = 0  # readings taken (within the seed's rows)
-        self._curve: BatchCost | None = None  # the last curve handed out, until the next reading
+        self._curve: BatchCost | None = None  # the last curve handed out, until the next reading (of either)
+        self._curve_at = (0, 0)  # (own readings, followed lane's readings) when it was built
+        # The lane whose level this one moves with (a draft's: the target's), or None.
+        self.follows: LiveCurve | None = None
         # What an earlier process kept of this lane (to_json), asked for whenever a new seed comes (Learnt).
         self.earlier: Callable[[], object] | None = None
         self._reset(0)
@@ -107,6 +118,10 @@ class LiveCurve:
         if self.earlier is not None:
             self.restore(self.earlier())
 
+    def _base(self) -> float:
+        """The followed lane's level, which this one's offsets are relative to (0 following none)."""
+        return self.follows.level if self.follows is not None and self.follows is not self else 0.0
+
     def _own(self, i: int) -> tuple[float, float]:
         """Batch size i+1's offset and its decayed count of readings now."""
         return self._offset[i], self._weight[i] * DECAY ** (self.observed - self._at[i])
@@ -124,7 +139,7 @@ class LiveCurve:
         i = rows - 1
         own, w = self._own(i)
         before = own if w >= LEVEL_WEIGHT else self.offset(i)  # a size seldom decoded starts from the level's view
-        r = max(-CLIP, min(CLIP, math.log(seconds) - self._log_seed[i] - before))
+        r = max(-CLIP, min(CLIP, math.log(seconds) - self._log_seed[i] - self._base() - before))
         new = before + RATE * r
         self._sum_wo = (self._sum_wo - w * own) * DECAY + (w + 1.0) * DECAY * new
         self._sum_w = (self._sum_w - w) * DECAY + (w + 1.0) * DECAY
@@ -134,7 +149,7 @@ class LiveCurve:
 
     def seconds(self, rows: int) -> float:
         """The predicted seconds of a decode of `rows` rows (1 <= rows <= the seed's length)."""
-        return math.exp(self._log_seed[rows - 1] + self.offset(rows - 1))
+        return math.exp(self._log_seed[rows - 1] + self._base() + self.offset(rows - 1))
 
     def curve(self) -> BatchCost | None:
         """The curve as now known, or None unseeded. Non-decreasing, by prefix maxima: a bigger batch never
@@ -143,13 +158,14 @@ class LiveCurve:
         where these are medians of many)."""
         if not self._seed:
             return None
-        if self._curve is None:  # rebuilt after each reading, so once a step: `seconds` for every size, inlined
-            level, observed, out, top = self.level, self.observed, [], 0.0
-            for log_seed, own, weight, at in zip(self._log_seed, self._offset, self._weight, self._at):
-                w = weight * DECAY ** (observed - at)
-                top = max(top, math.exp(log_seed + (w * own + LEVEL_WEIGHT * level) / (w + LEVEL_WEIGHT)))
+        at = (self.observed, self.follows.observed if self.follows is not None else 0)
+        if self._curve is None or self._curve_at != at:  # rebuilt after each reading: `seconds` per size, inlined
+            level, observed, base, out, top = self.level, self.observed, self._base(), [], 0.0
+            for log_seed, own, weight, at_i in zip(self._log_seed, self._offset, self._weight, self._at):
+                w = weight * DECAY ** (observed - at_i)
+                top = max(top, math.exp(log_seed + base + (w * own + LEVEL_WEIGHT * level) / (w + LEVEL_WEIGHT)))
                 out.append(top)
-            self._curve = BatchCost(tuple(out))
+            self._curve, self._curve_at = BatchCost(tuple(out)), at
         return self._curve
 
     # -- kept between processes (backends.slot.Learnt) ---------------------------------------------------------------

@@ -138,8 +138,8 @@ class Scheduler:
             if target:
                 entries = a.pending.entries  # type: ignore[union-attr]
                 wanted = sum(1 for e in entries if e[3])
-                self._speculated |= wanted > 1  # verification wants logits on every row
-                self._prompt |= wanted < len(entries)  # a prompt chunk wants them on its last row at most
+                self._speculated |= wanted > 1  # verification wants logits on several rows (lookahead: not all)
+                self._prompt |= wanted < min(len(entries), 2)  # a prompt chunk wants them on its last row at most
             a.reply, a.pending = r, None
         if target:
             self.load.sequences, self.load.rows = len(batch), used

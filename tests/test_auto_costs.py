@@ -8,11 +8,13 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from backends.config import AutoConfig, StrategyOptions
-from backends.device_cost import BatchCost, CostCache, DeviceCost, cost_key
+from backends import device_cost
+from backends.device_cost import BatchCost, CostCache, DeviceCost, cost_key, measure_draft_ratio
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
 from backends.strategies.auto.decide import Choice, best_chain_length, expected_chain_tokens
@@ -227,6 +229,56 @@ def test_cost_key_changes_with_model_files_threads_and_build(tmp_path: Path) -> 
     assert base != cost_key(target, draft, 2, "build 1", [0]), "a replaced model file"
     target.write_bytes(b"a" * 11)
     assert base != cost_key(target, draft, 2, "build 1", [0])
+
+
+class _Seq:
+    """A sequence whose decodes advance a fake clock: `cost` a token, times the machine's speed of the moment."""
+
+    def __init__(self, clock: list[float], slow: Callable[[], bool], cost: float) -> None:
+        self.clock, self.slow, self.cost, self.tokens = clock, slow, cost, []
+
+    def sync(self, context, logits=False) -> None:
+        self.tokens = list(context)
+
+    def extend(self, tokens, logits="last") -> None:
+        self.clock[0] += self.cost * len(tokens) * (3.0 if self.slow() else 1.0)
+        self.tokens += list(tokens)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+
+def test_the_draft_ratio_is_timed_in_turns_with_the_target(monkeypatch) -> None:
+    """A machine slow for its first 8 decodes, then quick (a busy core that goes): the draft, exactly as dear as
+    the target, reads as dear. Timed one after the other, the target's minimum came from the slow stretch and
+    the draft's from the quick one: a third of the target (a draft that can never pay, priced as if it could)."""
+    clock, decodes = [0.0], [0]
+
+    def slow() -> bool:
+        decodes[0] += 1
+        return decodes[0] <= 8
+
+    monkeypatch.setattr(device_cost.time, "perf_counter", lambda: clock[0])
+    target, draft = _Seq(clock, slow, 0.02), _Seq(clock, slow, 0.02)
+    assert measure_draft_ratio(target, draft, [1, 2, 3], repeats=7) == pytest.approx(1.0)
+    assert target.tokens == draft.tokens == [1, 2, 3], "both caches end up holding the context"
+    decodes[0] = 0
+    one_after_the_other = [min(device_cost.measure_batch_cost(seq, [1, 2, 3], 1, repeats=7).seconds)
+                           for seq in (target, draft)]
+    assert one_after_the_other[1] / one_after_the_other[0] == pytest.approx(1 / 3), "what it replaces"
+
+
+def test_a_draft_identical_to_the_target_measures_about_as_dear(tiny) -> None:
+    """Real llama.cpp: the target's own file as its draft costs about what the target does (loose bounds: a
+    single-token decode of the tiny model takes a fraction of a millisecond, host work included)."""
+    engine = Engine(EngineConfig(target=tiny.target, draft=tiny.target, n_ctx=512, threads=1, cost_cache=Path("")))
+    try:
+        context = engine.tokenize("the cat sat on the mat and the dog sat on the log")
+        ratio = measure_draft_ratio(engine.target, engine.draft, context, repeats=15)
+        assert 0.6 < ratio < 1.6, ratio
+        assert engine.target.tokens == engine.draft.tokens == context
+    finally:
+        engine.close()
 
 
 def test_engine_measures_once_then_reads_the_disk_cache(tiny, tmp_path: Path) -> None:

@@ -217,6 +217,46 @@ def test_a_draft_that_became_as_dear_as_the_target_is_dropped_on_the_live_ratio(
         engine.close()
 
 
+def test_a_draft_lane_moves_with_the_target_lanes_level_and_learns_its_own_ratio_beyond_it() -> None:
+    """A busy core slows the target's decodes by half while the draft stands by: its curve rises with the
+    target's, the ratio stays as measured. Its own decodes, then twice as dear as that ratio says, are learnt
+    on top and kept when the target's level moves again."""
+    target, draft = _seeded(), _seeded(tuple(0.3 * s for s in LINEAR))
+    draft.follows = target
+    for _ in range(100):
+        target.observe(1, 1.5 * LINEAR[0])
+    assert target.curve().seconds[0] == pytest.approx(1.5 * LINEAR[0], rel=0.02)
+    assert draft.curve().seconds[0] / target.curve().seconds[0] == pytest.approx(0.3, rel=0.02), "no readings"
+    for _ in range(100):
+        target.observe(1, 1.5 * LINEAR[0])
+        draft.observe(1, 0.9 * LINEAR[0])
+    assert draft.curve().seconds[0] / target.curve().seconds[0] == pytest.approx(0.6, rel=0.03)
+    for _ in range(100):
+        target.observe(1, LINEAR[0])  # the busy core goes
+    assert draft.seconds(1) / target.seconds(1) == pytest.approx(0.6, rel=0.03)
+    assert draft.curve().seconds[0] == pytest.approx(0.6 * LINEAR[0], rel=0.03)
+    alone = _seeded(tuple(0.3 * s for s in LINEAR))
+    for _ in range(100):
+        alone.observe(1, 0.9 * LINEAR[0])
+    assert alone.to_json()["offset"][0] == pytest.approx(1.099, abs=0.02), "following none: as before"
+
+
+def test_the_engine_has_the_drafts_lane_follow_the_targets_and_its_ratio_hold_through_a_busy_spell(tiny) -> None:
+    """Real engine: measured at a tenth, the draft is still a tenth of a target decode after the target's lane
+    read twice its curve for a while (another program on a core); before, its curve kept the time it was
+    last seen at, and the ratio fell to a twentieth."""
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(LINEAR), 0.1))
+    try:
+        assert engine.draft.lane.live.follows is engine.target.lane.live
+        gen = prefilled(engine)
+        gen.state.learn_timing = True
+        for _ in range(100):
+            engine.target.lane.live.observe(1, 2 * LINEAR[0])
+        assert gen.costs.draft_ratio() == pytest.approx(0.1, rel=0.05)
+    finally:
+        engine.close()
+
+
 # -- kept between processes -------------------------------------------------------------------------------------------
 
 def _learnt_curve() -> LiveCurve:

@@ -206,6 +206,21 @@ def test_the_scheduler_records_plain_and_speculating_ticks_but_not_prompt_chunks
         engine.close()
 
 
+def test_lookahead_ticks_count_as_speculation_not_as_prompt_chunks(tiny) -> None:
+    """Lookahead's window wants logits on its last level only, as a prompt chunk wants them on its last row:
+    its ticks were left out of the realised check, which then never judged them."""
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=1024, threads=1, n_seq_max=8, cost_cache=Path("")))
+    try:
+        prompt = engine.tokenize("the cat sat on the mat")
+        params = GenParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        pool, _ = _pool_run(engine, [("lookahead", prompt)], params)
+        realised = pool.scheduler.load.realised
+        assert sum(r.count for r in realised.plain.values()) <= 1, "the first token alone, then windows"
+        assert realised.speculated[1].count >= 10, "each window's tick is speculation's"
+    finally:
+        engine.close()
+
+
 def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> None:
     """A cost model that makes every row look free, and a copying prompt: auto verifies lookups at once. With
     the record saying speculating ticks delivered less at this batch size, every step is plain; the output
