@@ -79,7 +79,8 @@ class LiveCurve:
         self._log_seed: list[float] = []
         self.observed = 0  # readings taken (within the seed's rows)
         self._curve: BatchCost | None = None  # the last curve handed out, until the next reading (of either)
-        self._curve_at = (0, 0)  # (own readings, followed lane's readings) when it was built
+        self._curve_at = -1  # the followed lane's `changes` when it was built
+        self.changes = 0  # readings, seeds and restores taken: what a lane following this one rebuilds on
         # The lane whose level this one moves with (a draft's: the target's), or None.
         self.follows: LiveCurve | None = None
         # What an earlier process kept of this lane (to_json), asked for whenever a new seed comes (Learnt).
@@ -87,6 +88,7 @@ class LiveCurve:
         self._reset(0)
 
     def _reset(self, n: int) -> None:
+        self.changes += 1
         self._offset = [0.0] * n
         self._weight = [0.0] * n  # decayed counts of readings, as of reading _at[k]
         self._at = [0] * n
@@ -145,6 +147,7 @@ class LiveCurve:
         self._sum_w = (self._sum_w - w) * DECAY + (w + 1.0) * DECAY
         self.observed += 1
         self._offset[i], self._weight[i], self._at[i] = new, (w + 1.0) * DECAY, self.observed
+        self.changes += 1
         self._curve = None
 
     def seconds(self, rows: int) -> float:
@@ -158,8 +161,8 @@ class LiveCurve:
         where these are medians of many)."""
         if not self._seed:
             return None
-        at = (self.observed, self.follows.observed if self.follows is not None else 0)
-        if self._curve is None or self._curve_at != at:  # rebuilt after each reading: `seconds` per size, inlined
+        at = self.follows.changes if self.follows is not None else 0
+        if self._curve is None or self._curve_at != at:  # rebuilt after each reading (of either): inlined `seconds`
             level, observed, base, out, top = self.level, self.observed, self._base(), [], 0.0
             for log_seed, own, weight, at_i in zip(self._log_seed, self._offset, self._weight, self._at):
                 w = weight * DECAY ** (observed - at_i)
