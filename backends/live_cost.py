@@ -28,7 +28,7 @@ A draft's lane moves with the target's (`follows`): its offsets are kept
 relative to the target lane's level, since what slows one (another program
 on a core, a longer context) slows the other. A draft seldom used otherwise
 kept the time it was last seen at while the target's curve rose with a busy
-core beside it, and a draft as costly as the target read 0.5-0.7 of it: a
+core beside it, and a draft as costly as the target read 0.35-0.7 of it: a
 draft that could never pay was priced as if it could, and drafted. What
 the draft's own decodes show beyond that ratio is learnt as before.
 
