@@ -57,6 +57,20 @@ def monotone(seconds: Sequence[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _filler(context: Sequence[int]) -> list[int]:
+    """The token a measurement decodes after `context` (its last; its value does not change the cost)."""
+    return list(context[-1:]) or [0]
+
+
+def _timed_decode(seq: KvSequence, tokens: list[int], base: int) -> float:
+    """Seconds of one decode of `tokens` (logits on every row, as verification wants them) after the first
+    `base` cached tokens; the cache is cut back to them first."""
+    seq.truncate(base)
+    t0 = time.perf_counter()
+    seq.extend(tokens, logits="all")
+    return time.perf_counter() - t0
+
+
 def measure_batch_cost(seq: KvSequence, context: Sequence[int], k_max: int = 32, repeats: int = 3) -> BatchCost:
     """Time batches of 1..k_max tokens decoded after `context` (the cache is restored after each).
 
@@ -66,16 +80,8 @@ def measure_batch_cost(seq: KvSequence, context: Sequence[int], k_max: int = 32,
     """
     seq.sync(context, logits=False)
     base = len(seq.tokens)
-    filler = list(context[-1:]) or [0]
-    out = []
-    for k in range(1, k_max + 1):
-        times = []
-        for _ in range(repeats):
-            seq.truncate(base)
-            t0 = time.perf_counter()
-            seq.extend(filler * k, logits="all")
-            times.append(time.perf_counter() - t0)
-        out.append(min(times))
+    filler = _filler(context)
+    out = [min(_timed_decode(seq, filler * k, base) for _ in range(repeats)) for k in range(1, k_max + 1)]
     seq.truncate(base)
     return BatchCost(monotone(out))
 
@@ -104,18 +110,18 @@ def measure_draft_ratio(target: KvSequence, draft: KvSequence, context: Sequence
     fastest of `repeats` over the same stretch of time. Timed one lane after the other, the two minima came
     from different moments of a machine whose speed moves: a draft file identical to the target's read 0.70
     of it on a quiet 2-core VM, enough for a draft that can never pay to look as if it could."""
-    filler = list(context[-1:]) or [0]
+    filler = _filler(context)
+    lanes = (target, draft)
     bases = []
-    for seq in (target, draft):
+    for seq in lanes:
         seq.sync(context, logits=False)
         bases.append(len(seq.tokens))
     best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        for i, seq in enumerate((target, draft)):
-            t0 = time.perf_counter()
-            seq.extend(filler, logits="all")
-            best[i] = min(best[i], time.perf_counter() - t0)
-            seq.truncate(bases[i])
+        for i, seq in enumerate(lanes):
+            best[i] = min(best[i], _timed_decode(seq, filler, bases[i]))
+    for seq, base in zip(lanes, bases):
+        seq.truncate(base)
     return best[1] / best[0]
 
 

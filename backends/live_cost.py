@@ -81,7 +81,7 @@ class LiveCurve:
         self._curve: BatchCost | None = None  # the last curve handed out, until the next reading (of either)
         self._curve_at = -1  # the followed lane's `changes` when it was built
         self.changes = 0  # readings, seeds and restores taken: what a lane following this one rebuilds on
-        # The lane whose level this one moves with (a draft's: the target's), or None.
+        # The lane whose level this one moves with (a draft's: the target's; never itself), or None.
         self.follows: LiveCurve | None = None
         # What an earlier process kept of this lane (to_json), asked for whenever a new seed comes (Learnt).
         self.earlier: Callable[[], object] | None = None
@@ -122,7 +122,7 @@ class LiveCurve:
 
     def _base(self) -> float:
         """The followed lane's level, which this one's offsets are relative to (0 following none)."""
-        return self.follows.level if self.follows is not None and self.follows is not self else 0.0
+        return self.follows.level if self.follows is not None else 0.0
 
     def _own(self, i: int) -> tuple[float, float]:
         """Batch size i+1's offset and its decayed count of readings now."""
