@@ -29,6 +29,17 @@ busy spell ends), one that does not keeps it held back, and no ticks
 speculate unchecked in between.
 Ticks that decode a prompt chunk are not counted: they are neither.
 
+A tick where nobody speculated but `auto` decided (its rows or, within it,
+the next tick's) is no plain evidence, yet it bounds the plain rate from
+below: plain rows and `auto`'s lookups and pricing on top take at least
+what the plain rows alone take. These ticks are kept apart too (`decided`;
+those whose rows were decided count with speculation's as well), and
+speculation is held back where its ticks deliver less than they do, with
+no margin: below a lower bound of plain decoding, it loses. At 8 clients
+over HTTP with one thread, lookup chains at 0.8 delivered 0.965x plain
+decoding while plain ticks came only every PLAIN_EVERY ticks; their decided
+ticks, 95 of them against 20 plain, ran at 0.995x plain (docs/results.md).
+
 Plain evidence is what plain decoding would deliver, not what `auto`
 delivers when it looks for proposals and then decodes plainly: a sequence
 that was allowed to speculate marks it (`deciding`), and a tick whose rows
@@ -98,7 +109,8 @@ PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 2  # 2: plain evidence without `auto`'s decisions (1 counted them plain)
+FORMAT = 3  # 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
+KINDS = ("plain", "speculated", "decided")
 
 
 @dataclass
@@ -142,6 +154,8 @@ class Realised:
 
     plain: dict[int, _Rate] = field(default_factory=dict)
     speculated: dict[int, _Rate] = field(default_factory=dict)
+    # Ticks where nobody speculated but `auto` decided: plain rows and its work on top, at most the plain rate.
+    decided: dict[int, _Rate] = field(default_factory=dict)
     tick: int = 0
     # Seconds of a target decode of n rows, from the lane's live curve (the scheduler's); None: no prediction.
     plain_seconds: Callable[[int], float | None] | None = field(default=None, compare=False, repr=False)
@@ -156,16 +170,15 @@ class Realised:
 
     def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
         """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
-        Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's."""
+        Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's; decided
+        evidence where nobody speculated but someone decided."""
         if seconds <= 0:
             return
-        if speculated or self._rows_decided:
-            rates = self.speculated
-        elif not self._deciding:
-            rates = self.plain
-        else:  # plain rows, but the next tick's decisions ran in it: neither
-            return
-        rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+        kinds = [self.speculated] if speculated or self._rows_decided else [] if self._deciding else [self.plain]
+        if not speculated and (self._rows_decided or self._deciding):  # plain rows and `auto`'s work on top
+            kinds.append(self.decided)
+        for rates in kinds:
+            rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
 
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
@@ -174,21 +187,24 @@ class Realised:
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
-        this batch size lately; with too few plain ticks, at least (1 - PREDICTED_MARGIN) x the rate the live
-        curve predicts for them; None without enough evidence (a gross loss needs less of it)."""
-        spec, plain = self.speculated.get(sequences), self.plain.get(sequences)
+        this batch size lately, and at least the decided ticks' (a lower bound of plain's); with too few plain
+        ticks, at least (1 - PREDICTED_MARGIN) x the rate the live curve predicts for them; None without
+        enough evidence (a gross loss needs less of it)."""
+        spec, plain, decided = (kind.get(sequences) for kind in (self.speculated, self.plain, self.decided))
         if spec is None or spec.count < MIN_GROSS:
             return None
+        bars = []  # (a plain rate, the share of it speculation must deliver)
         if plain is not None and plain.count >= MIN_PLAIN:
-            bar, margin = plain.rate, MARGIN
-        else:
-            predicted = self._predicted_tick(sequences)
-            if predicted is None:
-                return None
-            bar, margin = sequences / predicted, PREDICTED_MARGIN
+            bars.append((plain.rate, 1.0 - MARGIN))
+        elif (predicted := self._predicted_tick(sequences)) is not None:
+            bars.append((sequences / predicted, 1.0 - PREDICTED_MARGIN))
+        if decided is not None and decided.count >= MIN_PLAIN:
+            bars.append((decided.rate, 1.0))
+        if not bars:
+            return None
         if spec.count < MIN_SPECULATED:  # a few ticks judge a gross loss only
-            return False if spec.rate < GROSS * bar else None
-        return spec.rate >= (1.0 - margin) * bar
+            return False if spec.rate < GROSS * max(rate for rate, _ in bars) else None
+        return spec.rate >= max(rate * share for rate, share in bars)
 
     def _predicted_tick(self, sequences: int) -> float | None:
         """Seconds of a plain tick at this batch size: the live curve's decode, scaled by what plain ticks at the
@@ -226,8 +242,7 @@ class Realised:
     def to_json(self, now: float | None = None) -> dict:
         """The rates and the tick count, for a later process: a few hundred bytes."""
         return {"format": FORMAT, "saved_at": time.time() if now is None else now, "tick": self.tick,
-                **{kind: {str(b): r.to_json() for b, r in sorted(getattr(self, kind).items())}
-                   for kind in ("plain", "speculated")}}
+                **{kind: {str(b): r.to_json() for b, r in sorted(getattr(self, kind).items())} for kind in KINDS}}
 
     @classmethod
     def from_json(cls, data: object, now: float | None = None) -> "Realised":
@@ -241,7 +256,7 @@ class Realised:
             if not abs(age) <= KEPT_FOR or type(tick) is not int or tick < 0:
                 return cls()
             out = cls(tick=tick)
-            for kind in ("plain", "speculated"):
+            for kind in KINDS:
                 rates = data[kind]
                 if not isinstance(rates, dict):
                     return cls()

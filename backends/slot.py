@@ -99,7 +99,8 @@ class Learnt:
             entries.update({f"live:{name}": lane.live.to_json() for name, lane in self._lanes.items()
                             if lane.live.observed})
             realised = self._realised
-            if realised is not None and realised.tick != self._load_tick and (realised.plain or realised.speculated):
+            if realised is not None and realised.tick != self._load_tick and \
+                    (realised.plain or realised.speculated or realised.decided):
                 entries["realised"] = realised.to_json()
             entries = {name: entry for name, entry in entries.items() if entry is not None}
             if entries:
