@@ -27,7 +27,15 @@ comes, so that once speculation is held back, a probe tick now and then
 that finds speculation paying lets it run again (within a few probes after a
 busy spell ends), one that does not keeps it held back, and no ticks
 speculate unchecked in between.
-Ticks that decode a prompt chunk are not counted: they are neither.
+Ticks that decode a prompt chunk are not counted: they are neither. Nor
+is the draft catching up on tokens it missed (the prompt it takes alone
+after the first token, a stretch it stood by while lookup or plain steps
+ran, or while speculation was held back): `auto` prices that as a
+switching cost spread over the draft steps that follow
+(choose.catch_up_seconds), and measures a draft step without it; counted
+in the tick that pays it, it made the draft's first steps and every probe
+after a hold-back look like a loss (`switching`: the Q8_0 draft, greedy,
+one client, held back at 1.0x in two of four runs where it delivers 1.4x).
 
 A tick where nobody speculated but `auto` decided (its rows or, within it,
 the next tick's) is no plain evidence, yet it bounds the plain rate from
@@ -162,16 +170,23 @@ class Realised:
     # Whether a sequence decided, among proposals, the rows of this tick (`_rows_decided`) and of the next one.
     _rows_decided: bool = field(default=False, compare=False, repr=False)
     _deciding: bool = field(default=False, compare=False, repr=False)
+    _switching: float = field(default=0.0, compare=False, repr=False)  # seconds of this tick's catch-ups
 
     def deciding(self) -> None:
         """A sequence allowed to speculate decides its next rows now: they, and this tick's work, count with
         speculation's ticks."""
         self._deciding = True
 
+    def switching(self, seconds: float) -> None:
+        """A sequence's draft caught up in this tick on tokens it missed, in `seconds`: a switching cost, left out
+        of the tick's time. Sequences catch up in the same batched draft decodes: the longest counts."""
+        self._switching = max(self._switching, seconds)
+
     def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
         """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
         Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's; decided
         evidence where nobody speculated but someone decided."""
+        seconds -= self._switching
         if seconds <= 0:
             return
         kinds = [self.speculated] if speculated or self._rows_decided else [] if self._deciding else [self.plain]
@@ -183,7 +198,7 @@ class Realised:
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
         self.tick += 1
-        self._rows_decided, self._deciding = self._deciding, False
+        self._rows_decided, self._deciding, self._switching = self._deciding, False, 0.0
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at

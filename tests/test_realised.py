@@ -23,6 +23,7 @@ from backends.slot_pool import SlotPool
 from backends.store import JsonStore
 from backends.strategies.auto.state import AutoState
 from backends.strategies.lookup import NgramIndex
+from auto_helpers import synthetic_engine
 from test_lossless import _copying_prompt
 
 
@@ -205,6 +206,24 @@ def test_a_tick_auto_decided_counts_with_speculation_whatever_it_chose() -> None
     assert kinds[-STALE:].count("held") >= STALE - 2, "held back, but for a probe"
 
 
+def test_a_drafts_catch_up_is_left_out_of_the_ticks_time() -> None:
+    """The draft catching up on what it missed is a switching cost `auto` prices apart: the tick that paid it
+    counts without it (the longest of several sequences' catch-ups: they run in the same batched decodes), the
+    next tick in full, and a tick that was all catch-up not at all."""
+    r = Realised()
+    r.switching(0.03)
+    r.switching(0.01)
+    r.add(1, True, 3, 0.05)
+    assert r.speculated[1].seconds == pytest.approx(0.02), "0.05 s less the longer catch-up"
+    r.next_tick()
+    r.add(1, True, 3, 0.05)
+    assert r.speculated[1].seconds == pytest.approx(0.02 * 0.95 + 0.05), "the next tick in full"
+    r.next_tick()
+    r.switching(0.05)
+    r.add(1, False, 1, 0.05)
+    assert r.speculated[1].count == pytest.approx(1.95) and not r.plain, "all catch-up: not counted"
+
+
 def _pool_run(engine: Engine, jobs: list[tuple[str, list[int]]], params: GenParams,
               options: StrategyOptions = StrategyOptions(memory=False), realised: Realised | None = None
               ) -> tuple[SlotPool, list[list[Event]]]:
@@ -217,6 +236,39 @@ def _pool_run(engine: Engine, jobs: list[tuple[str, list[int]]], params: GenPara
     while len(pool):
         pool.step()
     return pool, events
+
+
+def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(tiny, monkeypatch) -> None:
+    """Real llama.cpp, `auto` alone with a draft and a 300-token prompt: after the first token the draft takes
+    the prompt (generation.Generation.step), in the next tick, which reports it as a switch; the tick's time
+    includes it (the catch-up ran within that tick) and its counted time does not."""
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
+                                                           0.2))  # a draft a fifth of the target's cost
+    switches: list[tuple[int, float]] = []
+    ticks: dict[int, tuple[float, float]] = {}  # tick: (its time, its catch-ups)
+    switching, add = Realised.switching, Realised.add
+
+    def spy_switching(self: Realised, seconds: float) -> None:
+        switches.append((self.tick, seconds))
+        switching(self, seconds)
+
+    def spy_add(self: Realised, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
+        ticks[self.tick] = (seconds, self._switching)
+        add(self, sequences, speculated, tokens, seconds)
+
+    monkeypatch.setattr(Realised, "switching", spy_switching)
+    monkeypatch.setattr(Realised, "add", spy_add)
+    try:
+        prompt = engine.tokenize(" ".join(["the cat sat on the mat and once upon a time there was"] * 40))[:300]
+        # (an answer of 256 tokens repays the catch-up: choose.EAGER_SHARE, as in test_auto)
+        _pool_run(engine, [("auto", prompt)], GenParams(max_tokens=256, temperature=0.0, ignore_eos=True))
+        assert len(engine.slots[0].draft.tokens) >= len(prompt) - 1, "the draft took the prompt"
+        assert switches, "reported as a switch"
+        tick, seconds = switches[0]
+        assert tick <= 3 and seconds > 0, switches
+        assert ticks[tick][1] == seconds and ticks[tick][0] > seconds, "within the tick that reported it"
+    finally:
+        engine.close()
 
 
 def test_the_scheduler_records_plain_and_speculating_ticks_but_not_prompt_chunks(tiny) -> None:

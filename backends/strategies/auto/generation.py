@@ -172,6 +172,7 @@ class Generation:
             # device cost this answer speculates not at all (measure_after), so the draft waits for the next one.
             t0, held = time.perf_counter(), len(self.draft.tokens)
             yield from self.draft.syncing(self.prompt[:-1], logits=False)
+            self.slot.load.realised.switching(time.perf_counter() - t0)  # a switch, not a draft step's cost
             if len(self.draft.tokens) - held > 1:  # what a caught-up token costs here, for later catch-ups
                 self.costs.learn(st.catch_up, (time.perf_counter() - t0) / (len(self.draft.tokens) - held))
 
@@ -286,6 +287,7 @@ class Generation:
             # plain stretch would look dear and never be taken again.
             self.catch_up = max(time.perf_counter() - t0 - t_draft, 0.0)
             self.costs.learn(st.catch_up, self.catch_up / (lag - 1))
+            self.slot.load.realised.switching(self.catch_up)  # nor what this tick delivers (backends.realised)
         else:
             self.catch_up = 0.0
         chain = yield from draft_chain(self.run, draft, k_max, rule)
