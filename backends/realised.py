@@ -28,14 +28,13 @@ that finds speculation paying lets it run again (within a few probes after a
 busy spell ends), one that does not keeps it held back, and no ticks
 speculate unchecked in between.
 Ticks that decode a prompt chunk are not counted: they are neither. Nor
-is the draft catching up on tokens it missed (the prompt it takes alone
-after the first token, a stretch it stood by while lookup or plain steps
-ran, or while speculation was held back): `auto` prices that as a
-switching cost spread over the draft steps that follow
-(choose.catch_up_seconds), and measures a draft step without it; counted
-in the tick that pays it, it made the draft's first steps and every probe
-after a hold-back look like a loss (`switching`: the Q8_0 draft, greedy,
-one client, held back at 1.0x in two of four runs where it delivers 1.4x).
+is the draft catching up on tokens it missed where that is a one-off
+switch (`switching`): the prompt it takes alone after the first token, and
+the tokens decoded while this check held speculation back. Counted in the
+tick that paid it, it made the draft's first steps and every probe after a
+hold-back look like a loss (the Q8_0 draft, greedy, one client: held back
+at 1.0x in some runs where it delivers 1.4x). The catch-up on `auto`'s own
+plain and lookup steps is counted: where it alternates, it recurs.
 
 A tick where nobody speculated but `auto` decided (its rows or, within it,
 the next tick's) is no plain evidence, yet it bounds the plain rate from

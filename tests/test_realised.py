@@ -23,7 +23,7 @@ from backends.slot_pool import SlotPool
 from backends.store import JsonStore
 from backends.strategies.auto.state import AutoState
 from backends.strategies.lookup import NgramIndex
-from auto_helpers import synthetic_engine
+from auto_helpers import prefilled, run_now, synthetic_engine
 from test_lossless import _copying_prompt
 
 
@@ -267,6 +267,26 @@ def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(
         tick, seconds = switches[0]
         assert tick <= 3 and seconds > 0, switches
         assert ticks[tick][1] == seconds and ticks[tick][0] > seconds, "within the tick that reported it"
+    finally:
+        engine.close()
+
+
+def test_the_share_of_a_catch_up_that_a_hold_back_caused_is_the_checks_switch_the_rest_counts(tiny) -> None:
+    """Real llama.cpp: the draft lags 301 tokens behind the context. Of its catch-up, the share decoded while the
+    realised check held speculation back is left out of the tick (`switching`); the share decoded by `auto`'s own
+    plain and lookup steps recurs where it alternates, and counts."""
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
+                                                           0.001))  # a draft decode priced at 10 us: all catch-up
+    try:
+        for held, share in ((0, 0.0), (150, 0.5), (400, 1.0)):
+            gen = prefilled(engine, max_tokens=256)
+            gen.slot.load.realised = realised = Realised()
+            gen.run.context.extend([gen.run.context[-1]] * 300)  # decoded while the draft stood by
+            gen.held_tokens = held
+            run_now(gen.draft_chain(2, explore=False))
+            assert gen.catch_up > 0 and gen.held_tokens == 0
+            assert realised._switching == pytest.approx(share * gen.catch_up), held
+            engine.slots[0].reset()
     finally:
         engine.close()
 

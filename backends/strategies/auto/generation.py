@@ -88,6 +88,7 @@ class Generation:
         self.explored = 0
         self.tree_steps = 0  # memory steps verified as a tree (several paths)
         self.catch_up = 0.0  # seconds the last draft step spent catching the draft up (draft_step)
+        self.held_tokens = 0  # tokens decoded while held back (backends.realised) since the draft last caught up
         self.run.report(self.stats)
         if self.state.temperature != params.temperature:  # what the tries confirmed held at another temperature
             self.state.backoff.clear()
@@ -160,6 +161,8 @@ class Generation:
             yield from self._chain([], None, PLAIN, choice, [])
         self.costs.learn(st.tokens, len(run.output) - before)
         self.costs.learn(st.seconds, time.perf_counter() - t0)
+        if choice.why == HELD_BACK:
+            self.held_tokens += len(run.output) - before
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
                 and len(self.draft.tokens) < len(self.prompt) - 1 and self.chooser.draft_in_use() \
                 and self.chooser.catch_up_affordable(self.costs.t_plain()):
@@ -287,9 +290,13 @@ class Generation:
             # plain stretch would look dear and never be taken again.
             self.catch_up = max(time.perf_counter() - t0 - t_draft, 0.0)
             self.costs.learn(st.catch_up, self.catch_up / (lag - 1))
-            self.slot.load.realised.switching(self.catch_up)  # nor what this tick delivers (backends.realised)
+            # The share of it that the realised check's hold-back caused is that check's switch, not this tick's
+            # cost (backends.realised): else the first draft step after a hold-back, a probe, always looks dear.
+            # The rest, tokens of `auto`'s own plain and lookup steps, recurs where it alternates: counted.
+            self.slot.load.realised.switching(self.catch_up * min(self.held_tokens, lag - 1) / (lag - 1))
         else:
             self.catch_up = 0.0
+        self.held_tokens = 0
         chain = yield from draft_chain(self.run, draft, k_max, rule)
         decodes = chain.decodes + 1
         self.draft_decodes += decodes
