@@ -171,6 +171,11 @@ class Realised:
     _deciding: bool = field(default=False, compare=False, repr=False)
     _switching: float = field(default=0.0, compare=False, repr=False)  # seconds of this tick's catch-ups
 
+    @property
+    def observed(self) -> bool:
+        """Whether any tick was counted, of any kind."""
+        return any(getattr(self, kind) for kind in KINDS)
+
     def deciding(self) -> None:
         """A sequence allowed to speculate decides its next rows now: they, and this tick's work, count with
         speculation's ticks."""
@@ -188,8 +193,14 @@ class Realised:
         seconds -= self._switching
         if seconds <= 0:
             return
-        kinds = [self.speculated] if speculated or self._rows_decided else [] if self._deciding else [self.plain]
-        if not speculated and (self._rows_decided or self._deciding):  # plain rows and `auto`'s work on top
+        decided = self._rows_decided or self._deciding
+        if speculated or self._rows_decided:
+            kinds = [self.speculated]
+        elif not decided:
+            kinds = [self.plain]
+        else:  # plain rows, but the next tick's decisions ran in it: no plain evidence
+            kinds = []
+        if decided and not speculated:  # plain rows and `auto`'s work on top
             kinds.append(self.decided)
         for rates in kinds:
             rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)

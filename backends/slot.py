@@ -99,8 +99,7 @@ class Learnt:
             entries.update({f"live:{name}": lane.live.to_json() for name, lane in self._lanes.items()
                             if lane.live.observed})
             realised = self._realised
-            if realised is not None and realised.tick != self._load_tick and \
-                    (realised.plain or realised.speculated or realised.decided):
+            if realised is not None and realised.tick != self._load_tick and realised.observed:
                 entries["realised"] = realised.to_json()
             entries = {name: entry for name, entry in entries.items() if entry is not None}
             if entries:

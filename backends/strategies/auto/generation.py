@@ -175,9 +175,10 @@ class Generation:
             # device cost this answer speculates not at all (measure_after), so the draft waits for the next one.
             t0, held = time.perf_counter(), len(self.draft.tokens)
             yield from self.draft.syncing(self.prompt[:-1], logits=False)
-            self.slot.load.realised.switching(time.perf_counter() - t0)  # a switch, not a draft step's cost
+            seconds = time.perf_counter() - t0
+            self.slot.load.realised.switching(seconds)  # a switch, not a draft step's cost
             if len(self.draft.tokens) - held > 1:  # what a caught-up token costs here, for later catch-ups
-                self.costs.learn(st.catch_up, (time.perf_counter() - t0) / (len(self.draft.tokens) - held))
+                self.costs.learn(st.catch_up, seconds / (len(self.draft.tokens) - held))
 
     def _count(self, choice: Choice) -> None:
         """The exploration schedule's bookkeeping: steps since each option was taken, tries, back-off."""
