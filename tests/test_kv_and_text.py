@@ -7,7 +7,7 @@ import pytest
 
 from backends.engine import Engine
 from backends.config import StrategyOptions
-from backends.kv import KvSequence
+from backends.kv import KvSequence, common_prefix
 from backends.llama import ContextConfig, LlamaContext
 from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
@@ -129,3 +129,24 @@ def test_rollback_refused_on_a_sliding_window_cache_past_its_window(demo_pair) -
                 assert seq.tokens == []  # nothing half-kept: the next sync starts clean
         finally:
             ctx.close()
+
+
+def test_common_prefix_agrees_with_counting_token_by_token() -> None:
+    """Halving with list comparisons finds what a token-by-token count finds: every place of the first
+    difference, none, one sequence a prefix of the other, and a list against a tuple."""
+    rng = np.random.default_rng(7)
+
+    def counted(a: list[int], b: list[int]) -> int:
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    base = [int(t) for t in rng.integers(0, 5, 300)]
+    for n in (0, 1, 2, 3, 17, 128, 299, 300):
+        other = base[:n] + [9] + base[n + 1:]
+        assert common_prefix(base, other) == counted(base, other) == min(n, 300)
+        assert common_prefix(base[:n], base) == n and common_prefix(base, tuple(base[:n])) == n
+    for _ in range(200):
+        a, b = ([int(t) for t in rng.integers(0, 2, int(rng.integers(0, 40)))] for _ in range(2))
+        assert common_prefix(a, b) == counted(a, b), (a, b)
