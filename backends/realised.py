@@ -34,7 +34,13 @@ the tokens decoded while this check held speculation back. Counted in the
 tick that paid it, it made the draft's first steps and every probe after a
 hold-back look like a loss (the Q8_0 draft, greedy, one client: held back
 at 1.0x in some runs where it delivers 1.4x). The catch-up on `auto`'s own
-plain and lookup steps is counted: where it alternates, it recurs.
+plain and lookup steps is counted: where it alternates, it recurs. Nor are
+the ticks whose rows an option still being learnt chose (`learning`: taken
+fewer than backends.strategies.auto.decide's SETTLE_STEPS times on the
+engine): its estimates are near their priors, its first chains short, and
+judged on them the check held the Q8_0 draft back at 1.0x plain in runs
+where, learnt, it delivers 1.4x (held back, the estimates never learn).
+Exploration's price is bounded by those steps, once per engine.
 
 A tick where nobody speculated but `auto` decided (its rows or, within it,
 the next tick's) is no plain evidence, yet it bounds the plain rate from
@@ -170,6 +176,9 @@ class Realised:
     _rows_decided: bool = field(default=False, compare=False, repr=False)
     _deciding: bool = field(default=False, compare=False, repr=False)
     _switching: float = field(default=0.0, compare=False, repr=False)  # seconds of this tick's catch-ups
+    # Whether a sequence chose this tick's rows (`_rows_learning`), or the next one's, with an option still learnt.
+    _rows_learning: bool = field(default=False, compare=False, repr=False)
+    _learning: bool = field(default=False, compare=False, repr=False)
 
     @property
     def observed(self) -> bool:
@@ -186,12 +195,17 @@ class Realised:
         of the tick's time. Sequences catch up in the same batched draft decodes: the longest counts."""
         self._switching = max(self._switching, seconds)
 
+    def learning(self) -> None:
+        """A sequence chose its next rows with an option whose estimates are still being learnt: the tick they run
+        in is exploration's, not counted."""
+        self._learning = True
+
     def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
         """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
         Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's; decided
         evidence where nobody speculated but someone decided."""
         seconds -= self._switching
-        if seconds <= 0:
+        if seconds <= 0 or self._rows_learning:
             return
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
@@ -209,6 +223,7 @@ class Realised:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
         self.tick += 1
         self._rows_decided, self._deciding, self._switching = self._deciding, False, 0.0
+        self._rows_learning, self._learning = self._learning, False
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at

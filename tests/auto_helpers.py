@@ -7,7 +7,10 @@ from pathlib import Path
 from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
+from backends.events import Event
+from backends.realised import Realised
 from backends.sampling import GenParams
+from backends.slot_pool import SlotPool
 from backends.steps import run_now
 from backends.strategies.auto import AutoDecoding
 from backends.strategies.auto.generation import Generation
@@ -47,3 +50,19 @@ def prefilled(engine: Engine, options: StrategyOptions = StrategyOptions(), prom
     if gen.draft is not None:
         run_now(gen.draft.syncing(prompt[:-1], logits=False))
     return gen
+
+
+def pool_run(engine: Engine, jobs: list[tuple[str, list[int]]], params: GenParams,
+             options: StrategyOptions = StrategyOptions(memory=False), realised: Realised | None = None
+             ) -> tuple[SlotPool, list[list[Event]]]:
+    """Admit each (strategy, prompt) to a new slot pool on `engine` and step it until all are done (with
+    `realised` as its scheduler's record): the pool, and each job's events."""
+    pool = SlotPool(engine)
+    if realised is not None:
+        pool.scheduler.load.realised = realised
+    events: list[list[Event]] = [[] for _ in jobs]
+    for i, (strategy, prompt) in enumerate(jobs):
+        pool.admit(strategy, options, prompt, params, events[i].append)
+    while len(pool):
+        pool.step()
+    return pool, events

@@ -13,7 +13,7 @@ import pytest
 from app.chat_template import ChatMessage
 from app.prompt_format import PromptFormat
 from app.session import ChatSession, TurnRequest
-from backends.config import StrategyOptions
+from backends.config import SpsConfig, StrategyOptions
 from backends.engine import Engine
 from backends.events import until_done
 from backends.registry import STRATEGIES
@@ -107,3 +107,28 @@ def test_bench_with_openai_style_messages(instruct_pair, tmp_path: Path) -> None
     assert all(p["tokens"] > 15 for p in report["prompts"])  # the template's markup is there
     sps = next(row for row in report["results"] if row["strategy"] == "sps")
     assert sps["greedy_matches_ar"] is True
+
+
+def test_the_draft_drafts_nothing_past_an_end_of_turn_it_proposes(instruct_engine: Engine, monkeypatch) -> None:
+    """Real SmolLM2 pair, `sps` with K = 12 and no confidence floor, greedy, to the answer's end: the draft
+    proposes the end-of-turn token where the target ends, and its chain stops there (nothing follows an end of
+    generation: drafting on cost a draft decode and a batch row per token at every answer's end)."""
+    import backends.strategies.sps as sps
+
+    chains: list[list[int]] = []
+    draft_chain = sps.draft_chain
+
+    def spy(*args, **kwargs):
+        chain = yield from draft_chain(*args, **kwargs)
+        chains.append(list(chain.tokens))
+        return chain
+
+    monkeypatch.setattr(sps, "draft_chain", spy)
+    prompt = PromptFormat(instruct_engine).prompt("Answer with one word: what colour is the sky?")
+    done = run_to_done(instruct_engine, "sps", prompt, GenParams(max_tokens=64, temperature=0.0),
+                       StrategyOptions(sps=SpsConfig(draft_max=12, p_min=0.0, adaptive=False)))
+    assert done.reason == "eos"
+    model = instruct_engine.target.model
+    ending = [c for c in chains if any(model.is_eog(t) for t in c)]
+    assert ending, f"the draft proposed the end of turn: {chains[-3:]}"
+    assert all(model.is_eog(c[-1]) and not any(model.is_eog(t) for t in c[:-1]) for c in ending), ending

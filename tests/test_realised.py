@@ -1,6 +1,6 @@
 """The check on what speculation delivers (backends.realised): its rule on synthetic ticks (pure logic), the
-scheduler's record of real ticks on real llama.cpp, `auto` held to plain decoding where the record says
-speculation does not pay, and the record kept for the next process (backends.slot.Learnt)."""
+scheduler's record of real ticks on real llama.cpp, and the record kept for the next process
+(backends.slot.Learnt). `auto`'s side of it: tests/test_realised_auto.py."""
 
 from __future__ import annotations
 
@@ -11,20 +11,14 @@ from typing import Callable
 
 import pytest
 
-from backends.config import AutoConfig, StrategyOptions
-from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
-from backends.events import Event, StepEnd
 from backends.realised import KEPT_FOR, MIN_GROSS, MIN_PLAIN, MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
 from backends.slot import Learnt
 from backends.slot_pool import SlotPool
 from backends.store import JsonStore
-from backends.strategies.auto.state import AutoState
-from backends.strategies.lookup import NgramIndex
-from auto_helpers import prefilled, run_now, synthetic_engine
-from test_lossless import _copying_prompt
+from auto_helpers import pool_run
 
 
 def _ticks(realised: Realised, n: int, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
@@ -224,71 +218,21 @@ def test_a_drafts_catch_up_is_left_out_of_the_ticks_time() -> None:
     assert r.speculated[1].count == pytest.approx(1.95) and not r.plain, "all catch-up: not counted"
 
 
-def _pool_run(engine: Engine, jobs: list[tuple[str, list[int]]], params: GenParams,
-              options: StrategyOptions = StrategyOptions(memory=False), realised: Realised | None = None
-              ) -> tuple[SlotPool, list[list[Event]]]:
-    pool = SlotPool(engine)
-    if realised is not None:
-        pool.scheduler.load.realised = realised
-    events: list[list[Event]] = [[] for _ in jobs]
-    for i, (strategy, prompt) in enumerate(jobs):
-        pool.admit(strategy, options, prompt, params, events[i].append)
-    while len(pool):
-        pool.step()
-    return pool, events
-
-
-def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(tiny, monkeypatch) -> None:
-    """Real llama.cpp, `auto` alone with a draft and a 300-token prompt: after the first token the draft takes
-    the prompt (generation.Generation.step), in the next tick, which reports it as a switch; the tick's time
-    includes it (the catch-up ran within that tick) and its counted time does not."""
-    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
-                                                           0.2))  # a draft a fifth of the target's cost
-    switches: list[tuple[int, float]] = []
-    ticks: dict[int, tuple[float, float]] = {}  # tick: (its time, its catch-ups)
-    switching, add = Realised.switching, Realised.add
-
-    def spy_switching(self: Realised, seconds: float) -> None:
-        switches.append((self.tick, seconds))
-        switching(self, seconds)
-
-    def spy_add(self: Realised, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
-        ticks[self.tick] = (seconds, self._switching)
-        add(self, sequences, speculated, tokens, seconds)
-
-    monkeypatch.setattr(Realised, "switching", spy_switching)
-    monkeypatch.setattr(Realised, "add", spy_add)
-    try:
-        prompt = engine.tokenize(" ".join(["the cat sat on the mat and once upon a time there was"] * 40))[:300]
-        # (an answer of 256 tokens repays the catch-up: choose.EAGER_SHARE, as in test_auto)
-        _pool_run(engine, [("auto", prompt)], GenParams(max_tokens=256, temperature=0.0, ignore_eos=True))
-        assert len(engine.slots[0].draft.tokens) >= len(prompt) - 1, "the draft took the prompt"
-        assert switches, "reported as a switch"
-        tick, seconds = switches[0]
-        assert tick <= 3 and seconds > 0, switches
-        assert ticks[tick][1] == seconds and ticks[tick][0] > seconds, "within the tick that reported it"
-    finally:
-        engine.close()
-
-
-def test_the_share_of_a_catch_up_that_a_hold_back_caused_is_the_checks_switch_the_rest_counts(tiny) -> None:
-    """Real llama.cpp: the draft lags 301 tokens behind the context. Of its catch-up, the share decoded while the
-    realised check held speculation back is left out of the tick (`switching`); the share decoded by `auto`'s own
-    plain and lookup steps recurs where it alternates, and counts."""
-    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
-                                                           0.001))  # a draft decode priced at 10 us: all catch-up
-    try:
-        for held, share in ((0, 0.0), (150, 0.5), (400, 1.0)):
-            gen = prefilled(engine, max_tokens=256)
-            gen.slot.load.realised = realised = Realised()
-            gen.run.context.extend([gen.run.context[-1]] * 300)  # decoded while the draft stood by
-            gen.held_tokens = held
-            run_now(gen.draft_chain(2, explore=False))
-            assert gen.catch_up > 0 and gen.held_tokens == 0
-            assert realised._switching == pytest.approx(share * gen.catch_up), held
-            engine.slots[0].reset()
-    finally:
-        engine.close()
+def test_the_ticks_an_option_still_being_learnt_chose_are_not_counted() -> None:
+    """A sequence that chose its next rows with an option still being learnt (its estimates near their priors,
+    its chains short) marks it in the tick it decided in: the next tick, where those rows run, counts for
+    nothing; the one after counts again."""
+    r = Realised()
+    r.deciding()
+    r.learning()
+    r.add(1, False, 1, 0.02)  # this tick's rows were decided before: a decided tick
+    assert r.decided[1].count == 1 and not r.speculated
+    r.next_tick()
+    r.add(1, True, 2, 0.05)  # the learning option's rows: not counted, of any kind
+    assert not r.speculated and r.decided[1].count == 1 and not r.plain
+    r.next_tick()
+    r.add(1, True, 5, 0.05)
+    assert r.speculated[1].count == 1 and r.speculated[1].tokens == 5
 
 
 def test_the_scheduler_records_plain_and_speculating_ticks_but_not_prompt_chunks(tiny) -> None:
@@ -297,14 +241,14 @@ def test_the_scheduler_records_plain_and_speculating_ticks_but_not_prompt_chunks
     try:
         prompts = [engine.tokenize("the cat sat on the mat"), engine.tokenize("once upon a time there was")]
         params = GenParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        pool, _ = _pool_run(engine, [("ar", p) for p in prompts], params)
+        pool, _ = pool_run(engine, [("ar", p) for p in prompts], params)
         realised = pool.scheduler.load.realised
         counted = sum(r.count for r in realised.plain.values())
         assert not realised.speculated and counted > 0, "plain decoding: plain ticks only"
         assert set(realised.plain) <= {1, 2} and realised.plain[2].rate > 0
         assert realised.tick == pool.scheduler.ticks and round(counted) < pool.scheduler.ticks, \
             "the prompt's ticks are not counted"
-        pool, _ = _pool_run(engine, [("sps", p) for p in prompts], params)
+        pool, _ = pool_run(engine, [("sps", p) for p in prompts], params)
         realised = pool.scheduler.load.realised
         assert realised.speculated and realised.speculated[2].tokens > realised.speculated[2].count, \
             "sps speculates: more than a token per tick"
@@ -319,71 +263,10 @@ def test_lookahead_ticks_count_as_speculation_not_as_prompt_chunks(tiny) -> None
     try:
         prompt = engine.tokenize("the cat sat on the mat")
         params = GenParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        pool, _ = _pool_run(engine, [("lookahead", prompt)], params)
+        pool, _ = pool_run(engine, [("lookahead", prompt)], params)
         realised = pool.scheduler.load.realised
         assert sum(r.count for r in realised.plain.values()) <= 1, "the first token alone, then windows"
         assert realised.speculated[1].count >= 10, "each window's tick is speculation's"
-    finally:
-        engine.close()
-
-
-def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> None:
-    """A cost model that makes every row look free, and a copying prompt: auto verifies lookups at once. With
-    the record saying speculating ticks delivered less at this batch size, every step is plain; the output
-    is the same."""
-    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, cost_cache=Path("")))
-    engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)
-    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
-    params = GenParams(max_tokens=40, temperature=0.0)
-    try:
-        prompt = _copying_prompt(engine)
-
-        def choices(realised: Realised | None) -> tuple[set[str], tuple[int, ...]]:
-            engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
-            _, (events,) = _pool_run(engine, [("auto", prompt)], params, options, realised)
-            return {e.choice for e in events if isinstance(e, StepEnd)}, events[-1].tokens  # type: ignore[attr-defined]
-
-        free, tokens = choices(None)
-        assert "lookup" in free, f"with no record, the cost model speculates: {free}"
-        losing = Realised()
-        _ticks(losing, 20, 1, False, 1, 0.01)
-        _ticks(losing, 20, 1, True, 1, 0.02)
-        looked_up: list[int] = []
-        propose = NgramIndex.propose_with_match
-        NgramIndex.propose_with_match = lambda self, *a: looked_up.append(1) or propose(self, *a)  # type: ignore
-        try:
-            held, held_tokens = choices(losing)
-        finally:
-            NgramIndex.propose_with_match = propose  # type: ignore[method-assign]
-        assert held == {"plain"}, held
-        assert held_tokens == tokens
-        assert not looked_up, "held back, a step looks no proposals up"
-        assert losing.plain[1].last_tick > 40 and losing.speculated[1].last_tick == 39, \
-            "held back, nobody decides: its ticks are plain evidence"
-    finally:
-        engine.close()
-
-
-def test_ticks_whose_rows_auto_decided_count_with_speculation_even_when_it_chose_plain(tiny) -> None:
-    """Real llama.cpp, two `auto` sequences in one batch, a cost model where no chain can pay (a row costs a
-    token's time) and no exploration: every step decodes plainly, yet every tick after the first token is
-    speculation's evidence (its lookups and pricing are speculation's cost), none plain decoding's."""
-    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, n_parallel=2,
-                                 cost_cache=Path("")))
-    engine._cost = DeviceCost(BatchCost(tuple(0.01 * k for k in range(1, 17))), 0.0)
-    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
-    params = GenParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    try:
-        engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
-        prompts = [_copying_prompt(engine), engine.tokenize("once upon a time there was")]
-        pool, events = _pool_run(engine, [("auto", p) for p in prompts], params, options)
-        assert {e.choice for run in events for e in run if isinstance(e, StepEnd)} == {"plain"}  # type: ignore
-        realised = pool.scheduler.load.realised
-        assert not realised.plain, f"no plain evidence: {realised.plain}"
-        assert realised.decided[2].count > 10, "each bounds the plain rate from below"
-        ticks = realised.speculated[2]
-        assert ticks.count > 10 and ticks.tokens == pytest.approx(2 * ticks.count, rel=1e-6), \
-            "a token a sequence a tick: plain rows, counted with speculation's"
     finally:
         engine.close()
 
@@ -479,7 +362,7 @@ def test_a_restarted_pool_takes_up_what_the_last_one_recorded(tiny, tmp_path: Pa
     engine = Engine(config)
     try:
         prompts = [engine.tokenize("the cat sat on the mat"), engine.tokenize("once upon a time there was")]
-        pool, _ = _pool_run(engine, [("ar", p) for p in prompts], GenParams(max_tokens=16, temperature=0.0))
+        pool, _ = pool_run(engine, [("ar", p) for p in prompts], GenParams(max_tokens=16, temperature=0.0))
         recorded = pool.scheduler.load.realised
     finally:
         engine.close()

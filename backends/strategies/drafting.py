@@ -61,6 +61,21 @@ class PMin:
         return True
 
 
+@dataclass(frozen=True)
+class Either:
+    """Propose, and go on, where either rule would: a chain at least as long as each would draft (both are asked
+    every time, so that a rule that keeps state, as auto's stopping rule does, sees every token)."""
+
+    first: DraftRule
+    second: DraftRule
+
+    def keep(self, i: int, confidence: float) -> bool:
+        return self.first.keep(i, confidence) | self.second.keep(i, confidence)
+
+    def more(self, i: int, confidence: float) -> bool:
+        return self.first.more(i, confidence) | self.second.more(i, confidence)
+
+
 @dataclass
 class Chain:
     """A drafted chain: its tokens, the distribution each was drawn from (sampling only), the draft's
@@ -100,8 +115,8 @@ def draft_chain(run: Run, draft: KvSequence, k_max: int, rule: DraftRule,
         chain.confidences.append(conf)
         if q is not None:
             chain.dists.append(q)
-        if i + 1 >= k_max or not rule.more(i, conf):
-            break
+        if i + 1 >= k_max or run.model.is_eog(tok) or not rule.more(i, conf):
+            break  # nothing follows an end of generation: drafting on cost up to K decodes at every answer's end
         yield from draft.extending([tok])
         chain.decodes += draft.chain_max is None
     return chain

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from backends.config import AutoConfig, SpsConfig
-from backends.kv import KvSequence
+from backends.kv import KvSequence, common_prefix
 from backends.pricing import best_subtree, path_reach
 from backends.run import Run
 from backends.strategies.auto.costs import CostModel
@@ -222,9 +222,11 @@ class Chooser:
         return max(1, min(o.length, 2))
 
     def lag(self) -> int:
-        """Tokens of the context the draft has not decoded."""
+        """Tokens of the context the draft has not decoded: past what it holds of it, which is less than all it
+        holds where its slot served another conversation before (counted by its length, that conversation's
+        prompt looked already decoded: its catch-up was priced at nothing and paid by the first draft step)."""
         assert self.draft is not None
-        return len(self.run.context) - len(self.draft.tokens)
+        return len(self.run.context) - common_prefix(self.draft.tokens, self.run.context)
 
     def draft_in_use(self) -> bool:
         """Whether the draft was taken lately (in this session), or is still to be tried early."""

@@ -26,13 +26,13 @@ from backends.sampling import GenParams
 from backends.steps import Decode
 from backends.strategies.auto.choose import CHAIN_LAG, HELD_BACK, Chooser, DraftPays, Proposals
 from backends.strategies.auto.costs import CostModel
-from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
-                                            expected_chain_tokens)
+from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, SETTLE_STEPS,
+                                            Choice, expected_chain_tokens)
 from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
-from backends.strategies.drafting import Chain, PMin, draft_chain
+from backends.strategies.drafting import Chain, Either, PMin, draft_chain
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
 from backends.strategies.suffix import prune_by_grammar
@@ -130,6 +130,7 @@ class Generation:
             return
         t0 = time.perf_counter()
         lookup, match = ([], 0)
+        learning = False  # the option chosen is still being learnt (decide.SETTLE_STEPS)
         first = not run.output
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
@@ -143,13 +144,16 @@ class Generation:
                                                               MATCH_EXTEND)
                 lookup = run.valid_prefix(lookup)
             choice = self.decide(lookup, match, self._candidates(lookup, match))
+            learning = choice.option != PLAIN and st.taken.get(choice.option, 0) < SETTLE_STEPS
+            if learning:
+                realised.learning()  # exploration's price, bounded by SETTLE_STEPS: not the check's to judge
         self.decide_seconds += time.perf_counter() - t0
         self._count(choice)
         before = len(run.output)
         if choice.option == LOOKAHEAD and self.window is not None:
             yield from self._lookahead_step(choice)
         elif choice.option == DRAFT:
-            yield from self._draft_step(choice)
+            yield from self._draft_step(choice, learning)
         elif choice.option == MEMORY:
             yield from self._memory_step(choice)
         elif choice.option == LOOKUP:
@@ -164,7 +168,7 @@ class Generation:
         if choice.why == HELD_BACK:
             self.held_tokens += len(run.output) - before
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
-                and len(self.draft.tokens) < len(self.prompt) - 1 and self.chooser.draft_in_use() \
+                and self.chooser.lag() > CHAIN_LAG and self.chooser.draft_in_use() \
                 and self.chooser.catch_up_affordable(self.costs.t_plain()):
             # Alone, the draft takes the prompt now, once the first tokens were handed on (not before them, where
             # it would delay the first token by its own prompt decode), so that its first tries find it caught up:
@@ -173,12 +177,14 @@ class Generation:
             # priced then. Beside others it waits until it is used (its catch-up is priced then, for the whole
             # batch): every sequence would wait for its prompt, and under load it seldom pays. Without a known
             # device cost this answer speculates not at all (measure_after), so the draft waits for the next one.
-            t0, held = time.perf_counter(), len(self.draft.tokens)
-            yield from self.draft.syncing(self.prompt[:-1], logits=False)
+            # (Its lag counts what it holds of this context: a slot that served another conversation holds that
+            # one, and the first draft step paid its prompt, priced at nothing and counted as drafting's cost.)
+            t0 = time.perf_counter()
+            kept = yield from self.draft.syncing(self.prompt[:-1], logits=False)
             seconds = time.perf_counter() - t0
             self.slot.load.realised.switching(seconds)  # a switch, not a draft step's cost
-            if len(self.draft.tokens) - held > 1:  # what a caught-up token costs here, for later catch-ups
-                self.costs.learn(st.catch_up, seconds / (len(self.draft.tokens) - held))
+            if (decoded := len(self.draft.tokens) - kept) > 1:  # what a caught-up token costs, for later catch-ups
+                self.costs.learn(st.catch_up, seconds / decoded)
 
     def _count(self, choice: Choice) -> None:
         """The exploration schedule's bookkeeping: steps since each option was taken, tries, back-off."""
@@ -264,22 +270,28 @@ class Generation:
                 st.draft_by_pos.update(min(i, MAX_POSITION), accepted)
         return verdict
 
-    def draft_chain(self, k_max: int, explore: bool) -> Generator[Decode, list[int], Chain]:
+    def draft_chain(self, k_max: int, explore: bool, learning: bool = False) -> Generator[Decode, list[int], Chain]:
         """Draft up to k_max tokens, stopping where the next one no longer pays (choose.DraftPays).
 
         A try of the draft (`explore`) drafts as `sps` does instead: while the
         draft's confidence stays at or above sps's p_min, at least one token,
-        up to k_max (the try's length). Its chain must not be cut by the
-        estimates it is there to correct: when they are too low (a draft not
-        yet seen at this temperature), the stopping rule would draft one
-        token, which cannot pay with a draft decode and a batch row to pay
-        for, so the try would confirm the estimate it was meant to test and
-        the positions past the first would never be verified, so never learnt.
+        up to k_max. Its chain must not be cut by the estimates it is there to
+        correct: when they are too low (a draft not yet seen at this
+        temperature), the stopping rule would draft one token, which cannot
+        pay with a draft decode and a batch row to pay for, so the try would
+        confirm the estimate it was meant to test and the positions past the
+        first would never be verified, so never learnt. While the draft is
+        still being learnt (`learning`: decide.SETTLE_STEPS) a step drafts as
+        long as either rule would, for the same reason: on chains the
+        stopping rule cut short, draft steps measured at plain decoding's
+        rate and the draft was dropped before its estimates learnt.
         """
         st, draft = self.state, self.draft
         assert draft is not None
-        rule = PMin(self.sps.p_min, first_always=True) if explore else DraftPays(st, self.costs, k_max,
-                                                                                    draft.chain_max is not None)
+        tried = PMin(self.sps.p_min, first_always=True)
+        rule = tried if explore else DraftPays(st, self.costs, k_max, draft.chain_max is not None)
+        if learning and not explore:
+            rule = Either(tried, rule)
         t_draft = self.costs.t_draft(self.costs.t_plain())
         t0 = time.perf_counter()
         draft.plan(k_max)  # a block drafter's block (backends.dflash)
@@ -304,11 +316,12 @@ class Generation:
         self.costs.learn(st.t_draft, (time.perf_counter() - t0 - self.catch_up) / decodes)
         return chain
 
-    def _draft_step(self, choice: Choice) -> Iterator[object]:
+    def _draft_step(self, choice: Choice, learning: bool = False) -> Iterator[object]:
+        """One draft step: its chain (`draft_chain`), verified; what it gave and cost, for the draft's price."""
         st, run = self.state, self.run
         before = len(run.output)
         t0 = time.perf_counter()
-        chain = yield from self.draft_chain(choice.length, choice.explore)
+        chain = yield from self.draft_chain(choice.length, choice.explore, learning)
         yield from self._chain(chain.tokens, None if self.params.greedy else chain.dists,
                                DRAFT if chain.tokens else PLAIN, choice, [], chain.confidences)
         st.draft_step_tokens.add(len(run.output) - before)
