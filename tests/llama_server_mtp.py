@@ -83,7 +83,7 @@ class ChainedMtpServer:
         self.verify_h, self.pending = h, h[-1].copy()
         return logits
 
-    def _draft(self, id_last: int, pos0: int, n_max: int) -> list[int]:
+    def _draft(self, id_last: int, pos0: int, n_max: int, stop_at_eos: bool = False) -> list[int]:
         tokens, feats, result = [id_last], [self.pending.copy()], []
         for head in range(self.n_max):
             self.mtp.seq_rm(0, pos0, -1)
@@ -92,16 +92,18 @@ class ChainedMtpServer:
                            np.stack(feats))
             self.rows.process()
             result.append(int(np.argmax(self.mtp.logits(len(tokens) - 1))))
-            if len(result) >= self.n_max:
+            if len(result) >= self.n_max or (stop_at_eos and result[-1] == self.model.eos):
                 break
             feats.append(hidden_row(self.mtp, len(tokens) - 1).copy())
             tokens.append(result[-1])
         set_nextn_layer_offset(self.mtp, 0)
         return result[:n_max]
 
-    def generate(self, prompt: list[int], n: int, draft_first: bool = False) -> Generation:
+    def generate(self, prompt: list[int], n: int, draft_first: bool = False, stop_at_eos: bool = False) -> Generation:
         """Up to n tokens after `prompt` (a request with cache_prompt off: the slot's cells go first); the
-        drafted and accepted counts as `timings.draft_n` / `draft_n_accepted` report them."""
+        drafted and accepted counts as `timings.draft_n` / `draft_n_accepted` report them. `draft_first`: draft
+        for the first output token too; `stop_at_eos`: end a chain at the end-of-generation token (specchat's
+        loop does both; llama-server's neither)."""
         self.target.seq_rm(0, -1, -1)
         self.mtp.seq_rm(0, -1, -1)
         drafted = accepted = 0
@@ -114,7 +116,7 @@ class ChainedMtpServer:
             id_last, pos0 = out[-1], len(prompt)
         while len(out) < n and (not out or out[-1] != self.model.eos):
             n_draft_max = min(self.n_ctx - pos0 - 2, n - len(out) - 1)
-            drafts = self._draft(id_last, pos0, n_draft_max) if n_draft_max > 0 else []
+            drafts = self._draft(id_last, pos0, n_draft_max, stop_at_eos) if n_draft_max > 0 else []
             self.mtp.seq_rm(0, pos0, -1)
             logits = self._decode([id_last] + drafts, pos0)
             ids = []

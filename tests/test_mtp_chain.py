@@ -120,7 +120,8 @@ def test_a_generation_drafts_and_accepts_what_llama_servers_loop_does(arch: str,
     """Whole greedy generations, counted as llama-server's `timings` count them: specchat's `sps` (K 3, p_min
     0, K fixed) drafts and accepts, prompt for prompt, exactly what llama-server's draft-mtp loop replayed on
     the same build does (tests/llama_server_mtp.py) once that loop also drafts for the first output token, as
-    sps does and llama-server does not (it samples that token from the prompt's logits); with llama-server's
+    sps does and llama-server does not (it samples that token from the prompt's logits), and ends a chain at the
+    end of generation, as specchat's drafting loop does and llama-server's does not; with llama-server's
     own schedule the tokens are the same and the steps fall elsewhere (docs/mtp-chain.md). The file is the
     chained fixture tests/perf/drafter_fixtures.py writes, whose heads agree with the target often enough
     that accepting (and so pending_h = the target's row n) runs."""
@@ -139,7 +140,7 @@ def test_a_generation_drafts_and_accepts_what_llama_servers_loop_does(arch: str,
         for prompt in PROMPTS:
             done = run_to_done(engine, "sps", list(prompt), GenParams(max_tokens=32, temperature=0.0), options)
             ours.append((list(done.tokens), done.stats.drafted, done.stats.accepted))
-            same = server.generate(list(prompt), 32, draft_first=True)
+            same = server.generate(list(prompt), 32, draft_first=True, stop_at_eos=True)
             replayed.append((same.tokens, same.drafted, same.accepted))
             schedule.append(server.generate(list(prompt), 32))
         assert ours == replayed

@@ -28,9 +28,9 @@ EARLY_BUDGET_FACTOR = 16
 # client: 2 tokens in two plain steps' time for its first ~30 steps, then 6 to 13), and steps measured on those
 # chains priced it at plain decoding's rate: dropped, or held back by the realised check, before the estimates
 # learnt, it ran at 1.0x plain in runs where it delivers 1.4x. So while it is learnt the draft drafts at least
-# what its tries would (sps's rule: .generation.draft_chain), and the realised check does not judge the ticks such an option's
-# rows run in (backends.realised, `learning`). What that costs is bounded by this, once per engine and
-# sampling mode (the state is kept between processes).
+# what its tries would (sps's rule: .generation.draft_chain), and the realised check does not judge the ticks
+# such an option's rows run in (backends.realised, `learning`). What that costs is bounded by this, once per
+# engine and sampling mode (the state is kept between processes).
 SETTLE_STEPS = 32
 # Steps a switch to the draft must pay its catch-up back within: at most this many draft steps are counted
 # on after a switch (fewer near the end of the answer).
