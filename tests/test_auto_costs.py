@@ -20,6 +20,7 @@ from backends.sampling import GenParams
 from backends.strategies.auto.decide import Choice, best_chain_length, expected_chain_tokens
 from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
                                             confidence_bin, lookup_acceptance, lookup_key)
+from backends.strategies.drafting import Either, PMin
 from backends.strategies.lookup import NgramIndex
 from auto_helpers import TINY_PROMPTS, flat, prefilled as _prefilled, synthetic_engine as _engine
 from engine_helpers import run_to_done
@@ -54,6 +55,38 @@ def test_chain_stops_where_the_next_token_costs_more_than_it_brings() -> None:
     assert k == 2  # 0.5 and 0.25 pay for 0.2 each; 0.125 does not
     k_draft, _, _ = best_chain_length([0.5] * 10, 100.0, 0.01, lambda k: 1 + 0.2 * (k - 1), per_token=0.002)
     assert k_draft == 1, "a draft token's own cost (0.2 plain steps) shortens the chain"
+
+
+def test_a_learning_draft_proposes_where_either_rule_would_and_asks_both_every_time() -> None:
+    """drafting.Either (a draft still being learnt: sps's rule or the stopping rule): a token is proposed, and
+    drafting goes on, where either rule says so; both rules are asked at every token, so that the stopping
+    rule's running chance of the chain sees the tokens the other kept."""
+    asked: list[tuple[str, str, int]] = []
+
+    @dataclasses.dataclass
+    class Rule:
+        name: str
+        keeps: int  # proposes tokens 0 .. keeps-1
+        goes_on: int  # drafts on after tokens 0 .. goes_on-1
+
+        def keep(self, i: int, confidence: float) -> bool:
+            asked.append((self.name, "keep", i))
+            return i < self.keeps
+
+        def more(self, i: int, confidence: float) -> bool:
+            asked.append((self.name, "more", i))
+            return i < self.goes_on
+
+    rule = Either(Rule("sps", 1, 0), Rule("pays", 3, 2))
+    assert [rule.keep(i, 0.5) for i in range(4)] == [True, True, True, False]
+    assert [rule.more(i, 0.5) for i in range(4)] == [True, True, False, False]
+    assert asked == [(n, what, i) for what in ("keep", "more") for i in range(4) for n in ("sps", "pays")]
+    assert Either(Rule("a", 0, 0), Rule("b", 0, 0)).keep(0, 0.9) is False
+    capped = PMin(0.4, first_always=True, longest=2)  # sps's rule up to its K, within a longer chain
+    assert [capped.keep(i, c) for i, c in ((0, 0.1), (1, 0.5), (1, 0.3), (2, 0.9))] == [True, True, False, False]
+    assert [capped.more(i, 0.9) for i in range(3)] == [True, False, False]
+    with pytest.raises(ValueError):
+        PMin(0.4, longest=0)
 
 
 def test_acceptance_estimates_follow_the_evidence() -> None:

@@ -45,20 +45,26 @@ class DraftRule(Protocol):
 @dataclass(frozen=True)
 class PMin:
     """Propose while the draft's confidence is at least `p_min` (sps; llama.cpp's --draft-p-min). With
-    `first_always`, the first token is proposed whatever its confidence (a try of the draft by `auto`)."""
+    `first_always`, the first token is proposed whatever its confidence (a try of the draft by `auto`); with
+    `longest`, no token past that many (sps's K within a longer chain another rule may draft: `Either`)."""
 
     p_min: float
     first_always: bool = False
+    longest: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError("p_min must be in [0, 1)")
+        if self.longest is not None and self.longest < 1:
+            raise ValueError("longest must be at least 1")
 
     def keep(self, i: int, confidence: float) -> bool:
+        if self.longest is not None and i >= self.longest:
+            return False
         return (i == 0 and self.first_always) or confidence >= self.p_min
 
     def more(self, i: int, confidence: float) -> bool:
-        return True
+        return self.longest is None or i + 1 < self.longest
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from backends.strategies.auto.proposals import CandidateTree, candidate_tree, lo
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
 from backends.strategies.chain import chain_step, forced_step
-from backends.strategies.drafting import Chain, Either, PMin, draft_chain
+from backends.strategies.drafting import Chain, DraftRule, Either, PMin, draft_chain
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
 from backends.strategies.suffix import prune_by_grammar
@@ -282,16 +282,17 @@ class Generation:
         confirm the estimate it was meant to test and the positions past the
         first would never be verified, so never learnt. While the draft is
         still being learnt (`learning`: decide.SETTLE_STEPS) a step drafts as
-        long as either rule would, for the same reason: on chains the
-        stopping rule cut short, draft steps measured at plain decoding's
-        rate and the draft was dropped before its estimates learnt.
+        long as either rule would (sps's up to its K), for the same reason:
+        on chains the stopping rule cut short, draft steps measured at plain
+        decoding's rate and the draft was dropped before its estimates learnt.
         """
         st, draft = self.state, self.draft
         assert draft is not None
-        tried = PMin(self.sps.p_min, first_always=True)
-        rule = tried if explore else DraftPays(st, self.costs, k_max, draft.chain_max is not None)
-        if learning and not explore:
-            rule = Either(tried, rule)
+        rule: DraftRule = PMin(self.sps.p_min, first_always=True)
+        if not explore:
+            rule = DraftPays(st, self.costs, k_max, draft.chain_max is not None)
+            if learning:  # sps's rule up to its K, as the early tries draft; the stopping rule past it
+                rule = Either(PMin(self.sps.p_min, first_always=True, longest=self.sps.draft_max), rule)
         t_draft = self.costs.t_draft(self.costs.t_plain())
         t0 = time.perf_counter()
         draft.plan(k_max)  # a block drafter's block (backends.dflash)
