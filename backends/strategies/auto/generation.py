@@ -282,17 +282,24 @@ class Generation:
         confirm the estimate it was meant to test and the positions past the
         first would never be verified, so never learnt. While the draft is
         still being learnt (`learning`: decide.SETTLE_STEPS) a step drafts as
-        long as either rule would (sps's up to its K), for the same reason:
-        on chains the stopping rule cut short, draft steps measured at plain
-        decoding's rate and the draft was dropped before its estimates learnt.
+        long as either rule would, for the same reason: on chains the
+        stopping rule cut short, draft steps measured at plain decoding's
+        rate and the draft was dropped before its estimates learnt. When
+        sampling, sps's rule drafts up to its K only: a token is accepted less
+        often than greedy (1 - TV of the two distributions), and learning
+        chains up to `auto`'s 12 were refused early and priced the draft at
+        0.99x (the Q8_0 draft at 0.8, one client, 2 threads: 0.99 with them,
+        1.48 with sps's K; greedy, 1.28 with them, 1.01 with sps's K:
+        docs/results.md).
         """
         st, draft = self.state, self.draft
         assert draft is not None
         rule: DraftRule = PMin(self.sps.p_min, first_always=True)
         if not explore:
             rule = DraftPays(st, self.costs, k_max, draft.chain_max is not None)
-            if learning:  # sps's rule up to its K, as the early tries draft; the stopping rule past it
-                rule = Either(PMin(self.sps.p_min, first_always=True, longest=self.sps.draft_max), rule)
+            if learning:  # sps's rule (when sampling up to its K, as the early tries draft); the stopping rule past it
+                longest = None if self.params.greedy else self.sps.draft_max
+                rule = Either(PMin(self.sps.p_min, first_always=True, longest=longest), rule)
         t_draft = self.costs.t_draft(self.costs.t_plain())
         t0 = time.perf_counter()
         draft.plan(k_max)  # a block drafter's block (backends.dflash)
