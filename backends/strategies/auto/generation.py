@@ -287,10 +287,9 @@ class Generation:
         rate and the draft was dropped before its estimates learnt. When
         sampling, sps's rule drafts up to its K only: a token is accepted less
         often than greedy (1 - TV of the two distributions), and learning
-        chains up to `auto`'s 12 were refused early and priced the draft at
-        0.99x (the Q8_0 draft at 0.8, one client, 2 threads: 0.99 with them,
-        1.48 with sps's K; greedy, 1.28 with them, 1.01 with sps's K:
-        docs/results.md).
+        chains up to `auto`'s K were refused early and priced the draft at
+        plain decoding's rate, while greedy the shorter chains did
+        (docs/results.md, "An option judged once its estimates settle").
         """
         st, draft = self.state, self.draft
         assert draft is not None
