@@ -17,7 +17,8 @@ from backends import device_cost
 from backends.device_cost import BatchCost, CostCache, DeviceCost, cost_key, measure_draft_ratio
 from backends.engine import Engine, EngineConfig
 from backends.sampling import GenParams
-from backends.strategies.auto.decide import Choice, best_chain_length, expected_chain_tokens
+from backends.strategies.auto.decide import SETTLE_STEPS, Choice, best_chain_length, expected_chain_tokens, still_learnt
+from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import (LOOKUP_POSITIONS, MATCH_EXTEND, Acceptance, AutoState, Calibration,
                                             confidence_bin, lookup_acceptance, lookup_key)
 from backends.strategies.drafting import Either, PMin
@@ -162,20 +163,26 @@ def test_lookup_is_scaled_by_what_its_steps_really_gave_against_the_counts() -> 
     assert small.factor() == pytest.approx(0.8)
 
 
+def _a_measured_draft(tiny, tokens: float, cost: float) -> tuple[Engine, Generation]:
+    """An engine on a flat device (a draft decode 0.6 of a plain step), its draft measured to give `tokens` a step
+    for `cost` plain steps, and a generation of 400 tokens at most prefilled on it, choosing between plain and
+    the draft only."""
+    engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 0.6))
+    options = StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
+    state = engine.auto_states["greedy"]
+    for _ in range(20):
+        state.draft_step_tokens.add(tokens)
+        state.draft_step_cost.add(cost)
+    return engine, _prefilled(engine, options, engine.tokenize(TINY_PROMPTS[0]), max_tokens=400)
+
+
 def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
     """A draft measured to give 2 tokens for 1.6 plain steps pays (1 more token for 0.6 more steps) when it is
     in sync. After 100 tokens decoded without it, catching up costs ~9 plain steps (0.15 of a draft decode per
     token, the prior), more than 8 of its steps gain back: plain. A short lag is worth paying over 8 steps but
     not over the last step of the answer."""
-    engine = _engine(tiny, tiny.draft, DeviceCost(flat(), 0.6))
-    options = StrategyOptions(auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
+    engine, gen = _a_measured_draft(tiny, 2.0, 1.6)
     try:
-        state = engine.auto_states["greedy"]
-        for _ in range(20):
-            state.draft_step_tokens.add(2.0)
-            state.draft_step_cost.add(1.6)
-        prompt = engine.tokenize(TINY_PROMPTS[0])
-        gen = _prefilled(engine, options, prompt, max_tokens=400)
         assert gen.decide([], 0).option == "draft", "in sync: no catch-up, the draft pays"
         context = gen.run.context
         context.extend([context[-1]] * 10)  # decoded while the draft stood by (decide reads only the lag)
@@ -185,6 +192,34 @@ def test_switching_to_a_lagging_draft_must_pay_back_its_catch_up(tiny) -> None:
         gen.run.output[:] = []
         context.extend([context[-1]] * 90)
         assert gen.decide([], 0).option == "plain", "100 tokens behind: the catch-up costs more than it brings"
+    finally:
+        engine.close()
+
+
+def test_an_option_still_being_learnt_is_judged_against_plain_decoding_and_a_settled_one_against_the_rate(
+        tiny) -> None:
+    """A draft measured at 2 tokens for 1.8 plain steps (1.11x plain) where `auto` has reached 1.3x plain (its own
+    first steps): taken fewer than SETTLE_STEPS times it is taken (it beats plain decoding); once settled it is
+    judged against the rate reached, and loses. An option that does not beat plain is not taken either way."""
+    assert still_learnt([Choice("draft", 4, 2.0, 1.8)], {"draft": SETTLE_STEPS - 1}, 1.0) is not None
+    assert still_learnt([Choice("draft", 4, 2.0, 1.8)], {"draft": SETTLE_STEPS}, 1.0) is None
+    assert still_learnt([Choice("draft", 4, 2.0, 2.1)], {}, 1.0) is None, "slower than plain decoding"
+    best = still_learnt([Choice("lookup", 2, 1.5, 1.2), Choice("draft", 4, 3.0, 2.0)], {}, 1.0)
+    assert best is not None and best.option == "draft", "the one worth most against plain decoding"
+    engine, gen = _a_measured_draft(tiny, 2.0, 1.8)
+    state = engine.auto_states["greedy"]
+    try:
+        state.tokens.add(1.3)  # R: 1.3 tokens a plain step's time
+        state.seconds.add(gen.costs.t_plain())
+        assert gen.costs.rate() * gen.costs.t_plain() == pytest.approx(1.3)
+        state.taken["draft"] = SETTLE_STEPS - 1
+        assert gen.decide([], 0).option == "draft", "still being learnt: it beats plain decoding"
+        state.taken["draft"] = SETTLE_STEPS
+        assert gen.decide([], 0).option == "plain", "settled: below the rate reached"
+        state.taken["draft"] = 0
+        for _ in range(20):
+            state.draft_step_cost.add(2.4)  # now slower than plain decoding
+        assert gen.decide([], 0).option == "plain", "not even plain decoding's rate"
     finally:
         engine.close()
 

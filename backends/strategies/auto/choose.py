@@ -4,7 +4,8 @@ Maximising a ratio (tokens / seconds) step by step is done with Dinkelbach's
 transform: with R the throughput this engine reaches (the better of plain
 decoding's rate and the rate `auto` has measured), each option is worth
 E[tokens] - R * E[seconds], and the best option is the one worth most; an
-option pays exactly when it beats R. This is the rule vLLM's adaptive
+option pays exactly when it beats R (an option taken fewer than decide.SETTLE_STEPS times is judged
+against plain decoding instead: decide.still_learnt). This is the rule vLLM's adaptive
 verification and SmartSpec's "goodput" apply (expected accepted tokens per
 unit of time, from a cost model measured on the device); TensorRT-LLM's
 switch-off at low acceptance is its special case. Expected tokens come from
@@ -40,7 +41,7 @@ from backends.run import Run
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_INTERVAL, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN,
                                             SWITCH_HORIZON, TRY_DRAFT_MAX, Choice, best_chain_length,
-                                            explore_interval)
+                                            explore_interval, still_learnt)
 from backends.strategies.auto.proposals import CandidateTree
 from backends.strategies.auto.state import AutoState, Calibration, confidence_bin, lookup_key
 
@@ -157,6 +158,8 @@ class Chooser:
                                 others)
             options.append(Choice(LOOKAHEAD, 0, st.lookahead_tokens.get(1.0), cost * t_plain))
         best = max([plain, *options], key=lambda o: o.value(rate))
+        if best.option == PLAIN:  # an option still being learnt is judged against plain decoding, not R
+            best = still_learnt(options, st.taken, t_plain) or best
         tried = self._try(options, best, rate, t_plain, props)
         if tried is not None:
             return tried

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 PLAIN, DRAFT, LOOKUP, LOOKAHEAD, MEMORY = "plain", "draft", "lookup", "lookahead", "memory"
 # Fewest steps between two tries of one option: exploration's cost is bounded by the estimates, and this
@@ -74,6 +74,23 @@ class Choice:
     def value(self, rate: float) -> float:
         """Dinkelbach's worth at throughput `rate`: positive against a step that merely keeps the rate."""
         return self.tokens - rate * self.step_seconds
+
+
+def still_learnt(options: Sequence[Choice], taken: Mapping[str, int], t_plain: float) -> Choice | None:
+    """Of the options taken fewer than SETTLE_STEPS times, the one worth most against plain decoding's rate,
+    where one beats it on its estimate; else None.
+
+    Such an option is judged against plain decoding, not against the rate `auto` reached (Dinkelbach's R):
+    that rate is mostly its own first steps, and an estimate from a dozen steps moves with the text. A good
+    draft whose first chains were long and the next few short was measured just above plain decoding but
+    under the R its first steps had lifted; not taken, its estimate stayed there while the catch-up a switch
+    back would cost grew with every plain step, and it was never taken again (docs/results.md, "An option
+    judged against plain until it settles"). Judged against plain it goes on while it beats plain decoding,
+    until its estimate settles; then R judges it.
+    """
+    plain_rate = 1.0 / t_plain
+    learning = [o for o in options if taken.get(o.option, 0) < SETTLE_STEPS and o.value(plain_rate) > 0]
+    return max(learning, key=lambda o: o.value(plain_rate)) if learning else None
 
 
 def running_expected_tokens(accept: Sequence[float]) -> Iterator[float]:

@@ -293,8 +293,10 @@ class Generation:
         """
         st, draft = self.state, self.draft
         assert draft is not None
-        rule: DraftRule = PMin(self.sps.p_min, first_always=True)
-        if not explore:
+        rule: DraftRule
+        if explore:
+            rule = PMin(self.sps.p_min, first_always=True)
+        else:
             rule = DraftPays(st, self.costs, k_max, draft.chain_max is not None)
             if learning:  # sps's rule (when sampling up to its K, as the early tries draft); the stopping rule past it
                 longest = None if self.params.greedy else self.sps.draft_max
