@@ -76,6 +76,12 @@ class Choice:
         return self.tokens - rate * self.step_seconds
 
 
+def being_learnt(option: str, taken: Mapping[str, int]) -> bool:
+    """Whether `option` is still being learnt: taken fewer than SETTLE_STEPS times on the engine (plain
+    decoding has nothing to learn)."""
+    return option != PLAIN and taken.get(option, 0) < SETTLE_STEPS
+
+
 def still_learnt(options: Sequence[Choice], taken: Mapping[str, int], t_plain: float) -> Choice | None:
     """Of the options taken fewer than SETTLE_STEPS times, the one worth most against plain decoding's rate,
     where one beats it on its estimate; else None.
@@ -89,7 +95,7 @@ def still_learnt(options: Sequence[Choice], taken: Mapping[str, int], t_plain: f
     until its estimate settles; then R judges it.
     """
     plain_rate = 1.0 / t_plain
-    learning = [o for o in options if taken.get(o.option, 0) < SETTLE_STEPS and o.value(plain_rate) > 0]
+    learning = [o for o in options if being_learnt(o.option, taken) and o.value(plain_rate) > 0]
     return max(learning, key=lambda o: o.value(plain_rate)) if learning else None
 
 

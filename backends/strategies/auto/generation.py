@@ -26,8 +26,8 @@ from backends.sampling import GenParams
 from backends.steps import Decode
 from backends.strategies.auto.choose import CHAIN_LAG, HELD_BACK, Chooser, DraftPays, Proposals
 from backends.strategies.auto.costs import CostModel
-from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, SETTLE_STEPS,
-                                            Choice, expected_chain_tokens)
+from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
+                                            being_learnt, expected_chain_tokens)
 from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
@@ -144,7 +144,7 @@ class Generation:
                                                               MATCH_EXTEND)
                 lookup = run.valid_prefix(lookup)
             choice = self.decide(lookup, match, self._candidates(lookup, match))
-            learning = choice.option != PLAIN and st.taken.get(choice.option, 0) < SETTLE_STEPS
+            learning = being_learnt(choice.option, st.taken)
             if learning:
                 realised.learning()  # exploration's price, bounded by SETTLE_STEPS: not the check's to judge
         self.decide_seconds += time.perf_counter() - t0
