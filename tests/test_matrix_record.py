@@ -21,9 +21,9 @@ MATRIX = ROOT / "tests" / "perf" / "machine_matrix.py"
 
 
 def _add(path: Path, cell: Cell, auto: list[float], control: list[float] = (), machine: str = "m", code: str = "c1",
-         memory: bool = False):
+         memory: bool = False, target: str | None = None):
     return append(path, cell, list(auto), list(control), code=code, day="2026-11-29", machine=machine, requests=16,
-                  n=64, memory=memory)
+                  n=64, memory=memory, target=target)
 
 
 def test_the_matrix_is_every_condition_once() -> None:
@@ -49,9 +49,13 @@ def test_the_newest_record_of_a_cell_on_this_machine_is_the_one_drawn(tmp_path: 
     _add(record, good, [0.50, 0.50, 0.50], machine="another machine")
     remembered = Cell(2, "off", "q2", 0.8, "http", 2)
     _add(record, remembered, [3.0, 2.0], memory=True)
+    _add(record, good, [0.70], target="smollm2-135m-instruct-Q2_K.gguf")  # another target: a matrix apart
 
     records = newest(record, "m")
     assert set(records) == {low, good}, "a run with the memory is kept, not drawn as the cell's"
+    assert records[good]["auto"] == [1.05], "a run on another target is not the matrix's own"
+    apart = newest(record, "m", "smollm2-135m-instruct-Q2_K.gguf")
+    assert set(apart) == {good} and apart[good]["auto"] == [0.70]
     assert records[low]["commit"] == "new" and records[good]["auto"] == [1.05]
 
     table = render(records, "m")

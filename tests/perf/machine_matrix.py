@@ -30,6 +30,11 @@ cells not run yet included (docs/matrix.md):
 
     python tests/perf/machine_matrix.py --threads 2 --hog off --drafts q2,f32 --clients 1,4 --temps 0.8 --modes inproc
     python tests/perf/machine_matrix.py --table
+
+A GPU machine offloads both models (`-ngl 99`) and may take another target
+(`--target FILE`, e.g. the Q2_K SmolLM2 where the F32 one cannot travel):
+its cells are recorded apart, the GPU named in the machine and the target
+in the record (docs/results.md, "A GPU").
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from matrix_record import BAR, Cell, append, commit, machine_id, newest, render,
 from models.resolve import resolve_model  # noqa: E402
 
 RECORD = ROOT / "docs" / "matrix.jsonl"
+TARGET = "smollm2"
 TABLE = ROOT / "docs" / "matrix.md"
 
 
@@ -77,6 +83,11 @@ def draft_path(name: str, target: Path) -> Path:
     raise SystemExit(f"unknown draft {name!r}: q2, q8 or f32")
 
 
+def offload(args: argparse.Namespace) -> list[str]:
+    """The target's and the draft's layers on the GPU (`-ngl`, `-ngld`): a GPU machine's matrix."""
+    return ["-ngl", str(args.gpu_layers), "-ngld", str(args.gpu_layers)] if args.gpu_layers else []
+
+
 Ratios = dict[str, dict[int, list[float]]]  # "auto" (and "control": ar's second run) -> clients -> per repeat
 
 
@@ -90,7 +101,7 @@ def inproc(target: Path, draft: Path, threads: int, clients: list[int], temp: fl
                             "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests",
                             str(args.requests), "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1",
                             "--rotate", str(rep), *(["--control"] if args.control else []),
-                            "-t", str(threads), "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            "-t", str(threads), *offload(args), "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
             for row in json.loads((Path(out) / "bench.json").read_text())["load"]:
                 kind = "auto" if row["strategy"] == "auto" else "control" if row["label"] != "ar" else None
@@ -111,6 +122,7 @@ def http(target: Path, draft: Path, threads: int, clients: list[int], temp: floa
     log_dir = Path(tempfile.mkdtemp(prefix="matrix-"))
     ratios: Ratios = {}
     off = "" if args.memory else " --no-suffix-cache"  # the speculation memory, on by default in a server
+    off += "".join(" " + a for a in offload(args))
     specs = [("ar", "-s ar" + off), ("auto", off.strip()), *([("control", "-s ar" + off)] if args.control else [])]
     servers = [Server(name, flags, target, draft, max(clients), 4096, threads, log_dir) for name, flags in specs]
     try:
@@ -139,6 +151,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
+    ap.add_argument("--target", default=TARGET,
+                    help=f"the target, a name or a GGUF path ({TARGET}, the F32 SmolLM2: the matrix's own); another "
+                         "is recorded apart, for a machine that cannot hold that one (the F32 draft is the target)")
+    ap.add_argument("-ngl", "--gpu-layers", type=int, default=0,
+                    help="layers of the target and of the draft offloaded to the GPU (0: a CPU's matrix); recorded "
+                         "apart, the GPU named in the machine")
     ap.add_argument("--control", action="store_true", help="run ar twice in each repeat: an A/A column (the noise)")
     ap.add_argument("--memory", action="store_true",
                     help="over HTTP, the servers with the speculation memory (their default; without it they run "
@@ -151,7 +169,8 @@ def main() -> None:
     ap.add_argument("--table", nargs="?", type=Path, const=TABLE,
                     help=f"measure nothing: draw the whole matrix from the record into this file ({TABLE.name})")
     args = ap.parse_args()
-    machine = machine_id()
+    machine = machine_id(gpu=args.gpu_layers != 0)
+    other = None if args.target == TARGET else Path(args.target).name  # recorded apart from the matrix's own
     if args.table is not None:
         head = ("# The machine matrix\n\nIssue 42's promise, `auto` at least 0.97× `-s ar`, cell by cell: the newest "
                 "record of each cell (docs/matrix.jsonl, appended by every run of tests/perf/machine_matrix.py), drawn "
@@ -159,11 +178,11 @@ def main() -> None:
                 "in all against `ar`'s in the same repeat; the A/A column is `ar` against itself (`--control`), the "
                 "noise a cell is read against. Cells measured before the record began (2026-11-29) are in "
                 "docs/results.md.\n\n")
-        args.table.write_text(head + render(newest(args.record, machine), machine), encoding="utf-8")
+        args.table.write_text(head + render(newest(args.record, machine, other), machine), encoding="utf-8")
         print(f"wrote {args.table}")
         return
     code, day = commit(ROOT), time.strftime("%Y-%m-%d")
-    target = resolve_model("smollm2")
+    target = resolve_model(args.target)
     clients = [int(c) for c in args.clients.split(",")]
     lines = ["| threads | hog | draft | temp | mode | clients | auto / ar (median) | repeats | ≥ 0.97 |"
              + (" ar / ar (A/A) |" if args.control else ""),
@@ -192,7 +211,7 @@ def main() -> None:
             if got and not args.no_record:
                 append(args.record, Cell(threads, hogged, draft, temp, mode, c), got,
                        ratios.get("control", {}).get(c, []), code=code, day=day, machine=machine,
-                       requests=args.requests, n=args.n, memory=mode == "http" and args.memory)
+                       requests=args.requests, n=args.n, memory=mode == "http" and args.memory, target=other)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

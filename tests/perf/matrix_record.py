@@ -59,8 +59,9 @@ def all_cells() -> list[Cell]:
             itertools.product(THREADS, HOGS, DRAFTS, TEMPS, MODES, CLIENTS)]
 
 
-def machine_id() -> str:
-    """The CPU's model and how many CPUs this process may use: what makes one machine's records one set."""
+def machine_id(gpu: bool = False) -> str:
+    """The CPU's model and how many CPUs this process may use, and with `gpu` the GPUs nvidia-smi names: what
+    makes one machine's records one set."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -69,7 +70,18 @@ def machine_id() -> str:
                 break
     except OSError:
         pass
-    return f"{model}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cpus} CPUs" + (f", {_gpus()}" if gpu else "")
+
+
+def _gpus() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, check=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "a GPU"
+    names = [n.strip() for n in names if n.strip()]
+    return " + ".join(names) if names else "a GPU"
 
 
 def commit(root: Path) -> str:
@@ -86,23 +98,26 @@ def commit(root: Path) -> str:
 
 
 def append(path: Path, cell: Cell, auto: list[float], control: list[float], *, code: str, day: str, machine: str,
-           requests: int, n: int, memory: bool = False) -> dict:
+           requests: int, n: int, memory: bool = False, target: str | None = None) -> dict:
     """Add one measured cell to the record (one JSON line) and return it. `memory`: the servers ran with the
     speculation memory (a server's default), which answers the matrix's prompts, repeated at one seed, from
-    what it kept: a figure of the memory, kept in the record but not drawn as the cell's."""
+    what it kept: a figure of the memory, kept in the record but not drawn as the cell's. `target`: the target's
+    file, where it is not the matrix's own (the F32 SmolLM2), a record apart."""
     if not auto:
         raise ValueError(f"no repeat measured for {cell}")
     row = {"cell": asdict(cell), "auto": [round(r, 4) for r in auto], "control": [round(r, 4) for r in control],
            "commit": code, "day": day, "machine": machine, "requests": requests, "n": n, "memory": memory}
+    if target is not None:
+        row["target"] = target
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row, sort_keys=True) + "\n")
     return row
 
 
-def newest(path: Path, machine: str) -> dict[Cell, dict]:
-    """The last record of each cell measured on `machine` without the memory (a later run of a cell replaces an
-    earlier one)."""
+def newest(path: Path, machine: str, target: str | None = None) -> dict[Cell, dict]:
+    """The last record of each cell measured on `machine` with `target` (None: the matrix's own) and without the
+    memory (a later run of a cell replaces an earlier one)."""
     out: dict[Cell, dict] = {}
     if not path.exists():
         return out
@@ -114,7 +129,7 @@ def newest(path: Path, machine: str) -> dict[Cell, dict]:
             cell = Cell(**row["cell"])
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{path}:{number}: not a matrix record ({e})") from None
-        if row.get("machine") == machine and not row.get("memory"):
+        if row.get("machine") == machine and row.get("target") == target and not row.get("memory"):
             out[cell] = row
     return out
 
