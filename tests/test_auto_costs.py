@@ -411,6 +411,28 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
         engine.close()
 
 
+def test_under_load_a_row_past_a_jump_of_the_curve_costs_the_jump(tiny) -> None:
+    """The batch cost curve an H200 measured with the 135M SmolLM2 (docs/results.md, "A GPU"): flat to 8 rows,
+    then 83% dearer at 9, where llama.cpp's kernels change over. Beside 7 others, one more row makes the tick
+    T(9)/T(8) times longer for all 8 sequences: priced so, a lookup even a sure one does not pay. Averaged by the
+    slope over LOAD_SLOPE_SPAN rows it cost a quarter of that, and 8 clients verified such rows at 0.85x plain."""
+    from backends.steps import BatchLoad
+
+    rel = (1.00, 1.52, 1.52, 1.85, 1.89, 1.98, 2.00, 2.05, 3.76, 3.88, 3.91, 3.97, 3.99, 3.99, 3.99, 4.06)
+    engine = _engine(tiny, None, DeviceCost(BatchCost(tuple(0.0014 * r for r in rel)), 0.0))
+    try:
+        gen = _prefilled(engine)
+        gen.slot.load = BatchLoad(sequences=8, rows=8)
+        assert gen.costs.relative(2) == pytest.approx(1 + 8 * (3.76 / 2.05 - 1))
+        rate = 1 / 0.0014
+        assert best_chain_length([0.99], rate, 0.0014, gen.costs.relative)[0] == 0, "one more row: plain"
+        assert best_chain_length([0.99] * 8, rate, 0.0014, gen.costs.relative)[0] == 0, "nor a long sure chain"
+        gen.slot.load = BatchLoad(sequences=4, rows=4)  # below the jump: 4 more rows add 11% to the tick
+        assert gen.costs.relative(5) == pytest.approx(1 + 4 * (2.05 / 1.85 - 1))
+    finally:
+        engine.close()
+
+
 def test_a_block_drafters_later_tokens_are_priced_by_their_rows_alone(tiny) -> None:
     """A draft as dear as a target step and rows that cost nothing (a flat curve): a draft model's next token
     cannot pay for its own decode, a block drafter's (backends.dflash: one decode for the whole chain) can; and

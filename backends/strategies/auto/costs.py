@@ -242,13 +242,20 @@ def curve_relative(curve: BatchCost | None, k: float, others: int = 0, plain_row
     the batch would take plain (`plain_rows`: one row per sequence), not against one already slowed by the
     others' proposals: against that, every sequence's rows look cheap once all speculate, and all go on
     speculating in ticks slower than plain ones deliver (eight clients, each verifying 16-row memory chains:
-    ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps)."""
+    ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps).
+
+    Nor below what the curve says the rows add where they land, T(L+k) - T(L+1): the slope averages a jump
+    away, and on a GPU the curve jumps where llama.cpp's kernels change over (an H200 with the 135M SmolLM2:
+    T(8) = 2.05, T(9) = 3.76), so that one more row beside 7 others, priced by the slope at a quarter of the
+    tick it made 83% longer, was verified in tick after tick and 8 clients ran at 0.85x plain decoding
+    (docs/results.md, "A GPU")."""
     if not others:
         return curve_at(curve, k)
     lo = others + 1
     hi = max(others + k, lo + LOAD_SLOPE_SPAN)
     slope = (curve_at(curve, hi) - curve_at(curve, lo)) / (hi - lo)
-    return 1.0 + max(slope, 0.0) * (k - 1) / curve_at(curve, min(lo, plain_rows or lo))
+    added = max(max(slope, 0.0) * (k - 1), curve_at(curve, others + k) - curve_at(curve, lo))
+    return 1.0 + added / curve_at(curve, min(lo, plain_rows or lo))
 
 
 def curve_at(curve: BatchCost | None, k: float) -> float:
