@@ -81,7 +81,7 @@ class Generation:
         self.chooser = Chooser(self.state, self.costs, self.run, self.cfg, self.sps, self.draft, self.window,
                                tree_leaves=max(1, min(options.auto.memory_paths, self.target.n_seq_max - 1)),
                                tree_nodes=self.tree_nodes)
-        self.proposals = Proposals()  # this step's
+        self.proposals = self._none = Proposals()  # this step's; `_none` for the steps that look for none
         self.decide_seconds = 0.0
         self.draft_decodes = 0
         self.batch_tokens = 0
@@ -135,7 +135,7 @@ class Generation:
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
         elif not (realised := self.slot.load.realised).allows(self.costs.batch()[0]):  # held back: no lookups
-            self.proposals = Proposals([], 0, CandidateTree())
+            self.proposals = self._none
             choice = Choice(PLAIN, why=HELD_BACK)
         else:
             realised.deciding()  # what this costs counts with speculation's ticks (backends.realised)
