@@ -52,6 +52,12 @@ MEMORY_NODES_PER_TOKEN = 2
 # time to first token was 1.25x ar's in process when the first step verified a lookup chain; docs/results.md).
 FIRST_TOKEN = "plain — the first token as soon as plain decoding gives it"
 SOURCES = {DRAFT: "draft", LOOKUP: "lookup", MEMORY: "memory", PLAIN: "target"}  # Token.source per option
+# A draft whose best case, every token it drafts accepted, beats plain decoding by less than this share is dropped
+# before it is tried: acceptance is never whole, and each token it drafts costs the host a step's work that its
+# measured decode leaves out. On an H200 a draft file identical to the target's measured 0.97 of it (a best case
+# of 1.03x on the GPU's flat curve) and was kept, and one-client runs read 0.44x plain at 2.7-2.9 tokens a forward
+# (docs/results.md, "A GPU").
+DRAFT_MIN_BEST = 1.05
 
 
 class Generation:
@@ -101,7 +107,7 @@ class Generation:
         cost = self.slot.known_cost()
         self.costs.seed(cost, self.draft is not None)
         if self.draft is not None and self.costs.curve is not None \
-                and best_chain_speedup(1.0, self.costs.draft_ratio(), self.costs.curve)[0] <= 1.0:
+                and best_chain_speedup(1.0, self.costs.draft_ratio(), self.costs.curve)[0] < DRAFT_MIN_BEST:
             # A draft this dear (its lanes' live costs, else as measured) cannot pay even were it always right (a draft as costly as the target: K + 1
             # tokens for K draft decodes and a batch of K + 1): it is neither tried nor kept in step.
             self.draft = self.chooser.draft = None
