@@ -379,13 +379,9 @@ class LlamaContext:
         return self._ptr
 
     def decode(self, batch: Batch) -> None:
-        """Decode `batch`, returning once its results are ready. On a GPU llama_decode only queues the work
-        (CUDA runs it on a stream), and the wait came later, in whichever call read the logits: every decode
-        the engine times (the device's cost curve, the lanes' live curves, the draft's cost) timed the launch
-        alone. On an H200 the curve so measured jumped where the launches changed (1.52x a plain step for 2
-        rows, 3.76x for 9) and a draft file identical to the target's read 8.6 times its cost (docs/results.md,
-        "A GPU"). The wait is the decode's, and nothing runs meanwhile that it could overlap: the logits are
-        read next."""
+        """Decode `batch`, returning once its results are ready: on a GPU llama_decode only queues the work, and
+        every decode the engine times (its cost curves, the draft's cost) timed the launch alone (an identical
+        draft read 8.6x the target on an H200: docs/results.md, "A GPU"). The logits are read next anyway."""
         rc = llama_cpp.llama_decode(self._ptr, batch.raw)
         if rc != 0:
             raise DecodeError(f"llama_decode failed with code {rc} (batch of {len(batch)} tokens)")

@@ -412,10 +412,11 @@ def test_under_load_a_row_is_priced_by_the_time_it_adds_to_the_whole_batch(tiny)
 
 
 def test_under_load_a_row_past_a_jump_of_the_curve_costs_the_jump(tiny) -> None:
-    """The batch cost curve an H200 measured with the 135M SmolLM2 (docs/results.md, "A GPU"): flat to 8 rows,
-    then 83% dearer at 9, where llama.cpp's kernels change over. Beside 7 others, one more row makes the tick
-    T(9)/T(8) times longer for all 8 sequences: priced so, a lookup even a sure one does not pay. Averaged by the
-    slope over LOAD_SLOPE_SPAN rows it cost a quarter of that, and 8 clients verified such rows at 0.85x plain."""
+    """The batch cost curve an H200 measured with the 135M SmolLM2 (docs/results.md, "A GPU"; timed at the
+    launch then, a jump all the same): flat to 8 rows, then 83% dearer at 9, where llama.cpp's kernels for small
+    batches stop. Beside 7 others, one more row makes the tick T(9)/T(8) times longer for all 8 sequences: priced
+    so, a lookup even a sure one does not pay. Averaged by the slope over LOAD_SLOPE_SPAN rows it cost a quarter
+    of that, and 8 clients verified such rows at 0.83-0.87x plain."""
     from backends.steps import BatchLoad
 
     rel = (1.00, 1.52, 1.52, 1.85, 1.89, 1.98, 2.00, 2.05, 3.76, 3.88, 3.91, 3.97, 3.99, 3.99, 3.99, 4.06)

@@ -245,10 +245,10 @@ def curve_relative(curve: BatchCost | None, k: float, others: int = 0, plain_row
     ticks of 130 rows at 0.8x plain's rate, each sequence's own rows pricing at under 2 plain steps).
 
     Nor below what the curve says the rows add where they land, T(L+k) - T(L+1): the slope averages a jump
-    away, and on a GPU the curve jumps where llama.cpp's kernels change over (an H200 with the 135M SmolLM2:
-    T(8) = 2.05, T(9) = 3.76), so that one more row beside 7 others, priced by the slope at a quarter of the
-    tick it made 83% longer, was verified in tick after tick and 8 clients ran at 0.85x plain decoding
-    (docs/results.md, "A GPU")."""
+    away, and on a GPU the curve jumps where llama.cpp's kernels for small batches stop (an H200, a 4-layer
+    SmolLM2, each decode timed to completion: T(8) = 1.35, T(9) = 2.01), so that one more row beside 7 others
+    was priced by the slope at about a quarter of what it added to everyone's tick (docs/results.md, "A GPU":
+    8 clients ran at 0.83-0.87x plain decoding there)."""
     if not others:
         return curve_at(curve, k)
     lo = others + 1
