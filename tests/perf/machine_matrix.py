@@ -101,8 +101,8 @@ def inproc(target: Path, draft: Path, threads: int, clients: list[int], temp: fl
                             "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests",
                             str(args.requests), "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1",
                             "--rotate", str(rep), *(["--control"] if args.control else []),
-                            "-t", str(threads), *offload(args), "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+                            "-t", str(threads), *offload(args), "--out", out], check=True, cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for row in json.loads((Path(out) / "bench.json").read_text())["load"]:
                 kind = "auto" if row["strategy"] == "auto" else "control" if row["label"] != "ar" else None
                 if kind is not None:
