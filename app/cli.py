@@ -85,7 +85,8 @@ def _add_generation_flags(p: argparse.ArgumentParser, output: bool = True, temp:
     r = p.add_argument_group("runtime")
     r.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: 4096)")
     r.add_argument("-b", "--batch-size", type=int, default=512, help="logical batch size (default: 512)")
-    r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    r.add_argument("-t", "--threads", type=int, default=None,
+                   help="the most CPU threads (default: all cores); fewer while fewer decode faster (a busy program)")
     r.add_argument("-ngl", "--gpu-layers", type=int, default=0, help="target layers to offload to the GPU")
     r.add_argument("-ngld", "--gpu-layers-draft", type=int, default=0, help="draft layers to offload to the GPU")
     r.add_argument("--kv-cache-disk", type=_size, default=None, metavar="SIZE",

@@ -48,6 +48,7 @@ from backends.registry import spec
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.strategies.base import Remembering, Strategy
+from backends.thread_count import FollowingCount, ThreadCount
 from models.compat import require_compatible
 from models.drafters import RS_ROLLBACK_ARCHITECTURES, mtp_heads
 from models.errors import ModelError
@@ -178,6 +179,13 @@ class Engine:
             raise
         if self.draft_lane is not None and self.draft_lane is not self.target_lane:
             self.draft_lane.live.follows = self.target_lane.live  # a busy core slows both (backends.live_cost)
+        # On the CPU, the target decodes with as many of its threads as decode fastest now: fewer beside a busy
+        # program (backends.thread_count); a draft model on the CPU too, with the target's count. Offloaded layers
+        # run on their device, whatever the thread count.
+        if config.n_gpu_layers == 0 and not config.rpc and self.target_lane.ctx.threads > 1:
+            self.target_lane.threads = count = ThreadCount(self.target_lane.ctx.threads)
+            if self.drafter == "draft" and self.draft_lane is not None and config.n_gpu_layers_draft == 0:
+                self.draft_lane.threads = FollowingCount(count)
         cost_path = cost_cache_path(config.cost_cache)
         self._cost_cache = CostCache(cost_path)
         self._cost: DeviceCost | None = None

@@ -35,6 +35,7 @@ from backends.errors import CacheRollbackError, ContextFullError
 from backends.live_cost import LiveCurve
 from backends.llama import Batch, LlamaContext
 from backends.steps import Decode, Entry, Rows, run_now
+from backends.thread_count import FollowingCount, ThreadCount
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -74,6 +75,9 @@ class Lane:
         self.live = LiveCurve()
         self.last_rows = 0  # rows of the last decode
         self.followers: list[Callable[[Sequence[Sequence[Entry]], list[list[int]]], None]] = []
+        # The thread count that decodes fastest now, up to the context's (backends.thread_count), or the one another
+        # lane found (a draft's, its target's); None: always the context's (layers offloaded, or one thread).
+        self.threads: ThreadCount | FollowingCount | None = None
 
     @property
     def capacity(self) -> int:
@@ -83,12 +87,18 @@ class Lane:
         """Decode the entries of several requests in one batch; each request's batch rows, in order."""
         self.batch.clear()
         rows = [[self.batch.add(tok, pos, seqs, want) for tok, pos, seqs, want in entries] for entries in requests]
+        n = sum(map(len, requests))
+        count = self.threads
+        threads = self.ctx.threads if count is None else self.ctx.set_threads(count.next(n))
         t0 = time.perf_counter()
         self.ctx.decode(self.batch)
         seconds = time.perf_counter() - t0
-        self.last_rows = n = sum(map(len, requests))
-        if all(e[3] for entries in requests for e in entries):  # not a prompt chunk: a shape speculation prices
-            self.live.observe(n, seconds)
+        self.last_rows = n
+        probe = count is not None and threads != count.current  # a few decodes at another count
+        if count is not None:
+            count.observe(threads, n, seconds)
+        if not probe and all(e[3] for entries in requests for e in entries):  # not a prompt chunk: a shape
+            self.live.observe(n, seconds)  # speculation prices
         for follow in self.followers:
             follow(requests, rows)
         return rows

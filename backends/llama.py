@@ -30,6 +30,7 @@ import llama_cpp
 import numpy as np
 
 from backends.errors import DecodeError
+from backends.guidance_vocab import llguidance_tokenizer
 from backends.llama_process import ensure_backend, ggml, use_extra_buffer_types
 from backends.llama_rpc import check_rpc_memory, rpc_model_devices, rpc_timeouts_meanwhile, set_rpc_timeouts
 from models.errors import ModelError
@@ -173,9 +174,8 @@ class LlamaModel:
         llguidance's adapter (llguidance.llamacpp) hands llama_tokenize to Rust as a raw pointer; on a
         vocabulary without byte tokens it crashed the process here, so the tokenizer goes through Python.
         Such a SentencePiece vocabulary cannot spell every text at all (llama.cpp's tokenizer aborts on a
-        character it has no token for): grammars are refused on it with one line."""
-        import llguidance
-
+        character it has no token for): grammars are refused on it with one line. The rest, the spelling and
+        its checks, is backends.guidance_vocab's."""
         if llama_cpp.llama_vocab_type(self._vocab) == llama_cpp.LLAMA_VOCAB_TYPE_SPM and not self._spm_has_bytes():
             raise ModelError(f"{self.path.name}: this SentencePiece vocabulary has no byte tokens, so it cannot "
                              "spell every text a grammar may ask for")
@@ -190,55 +190,8 @@ class LlamaModel:
             if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
                 piece = b"\xff" + piece
             tokens.append(piece)
-        model = self
-        # A SentencePiece vocabulary that adds a space before every text (llama.cpp's add_space_prefix, Llama 2's
-        # default) would make llguidance read that space as part of whatever it asks to tokenize: a text is
-        # tokenized without it (the first token's leading space taken off and the rest spelt by the longest
-        # pieces), so that the tokens spell exactly the text.
-        probe = self.tokenize("a", add_special=False, parse_special=False)
-        adds_space = bool(probe) and tokens[probe[0]].startswith(b" ")
-        by_piece = {p: t for t, p in enumerate(tokens) if p and not p.startswith(b"\xff")} if adds_space else {}
-        longest = max(map(len, by_piece), default=1)
-
-        def spell(data: bytes) -> list[int]:
-            out, i = [], 0
-            while i < len(data):
-                n = next((n for n in range(min(longest, len(data) - i), 0, -1) if data[i:i + n] in by_piece), 0)
-                if n == 0:
-                    return []  # not spellable piece by piece: leave it to the tokenizer
-                out.append(by_piece[data[i:i + n]])
-                i += n
-            return out
-
-        class _Vocabulary:  # what llguidance.TokenizerWrapper reads
-            eos_token_id = self.eos if self.eos >= 0 else (self.eog_ids[0] if self.eog_ids else 0)
-            bos_token_id = self.bos if self.bos >= 0 else None
-            special_token_ids = [t for t in range(self.n_vocab) if tokens[t].startswith(b"\xff")]
-
-            def __init__(self) -> None:
-                self.tokens = tokens
-
-            def __call__(self, text: str | bytes) -> list[int]:
-                s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-                ids = model.tokenize(s, add_special=False, parse_special=False)
-                if adds_space and ids and tokens[ids[0]].startswith(b" "):  # llama.cpp adds it to every text
-                    rest = tokens[ids[0]][1:]
-                    head = spell(rest) if rest else []
-                    if rest and not head:
-                        return ids
-                    ids = head + ids[1:]
-                return ids
-
-        vocabulary = _Vocabulary()
-        # llguidance allows a forced stretch only in the tokens this tokenizer spells it with: they must spell it
-        # back byte for byte, or the grammar would refuse what its own mask allowed, mid-answer.
-        for probe in ("{", '{"a": 1}', " x", "a b", "\n"):
-            spelt = b"".join(tokens[t] for t in vocabulary(probe))
-            if spelt != probe.encode():
-                raise ModelError(f"{self.path.name}: this vocabulary's tokenizer spells {probe!r} as {spelt!r}, so "
-                                 "grammars cannot run on it")
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=self.n_vocab,
-                                      eos_token=list(self.eog_ids) or None)
+        return llguidance_tokenizer(self.path.name, tokens, lambda text: self.tokenize(text, False, False),
+                                    self.bos, self.eos, self.eog_ids)
 
     def _spm_has_bytes(self) -> bool:
         """Whether a SentencePiece vocabulary holds the 256 byte tokens <0x00>..<0xFF> (its fallback)."""
@@ -371,6 +324,14 @@ class LlamaContext:
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_vocab = model.n_vocab
         self._row = ctypes.c_float * self.n_vocab  # one row of logits, to view in place (`logits`)
+        self.threads = threads  # what decodes run with now (`set_threads`)
+
+    def set_threads(self, n: int) -> int:
+        """Decode with `n` threads from now on (llama_set_n_threads, between decodes: backends.thread_count)."""
+        if n != self.threads:
+            llama_cpp.llama_set_n_threads(self.ptr, n, n)
+            self.threads = n
+        return n
 
     @property
     def ptr(self) -> ctypes.c_void_p:

@@ -200,13 +200,21 @@ class Realised:
         in is exploration's, not counted."""
         self._learning = True
 
-    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
+    @property
+    def switched(self) -> float:
+        """Seconds of this tick's catch-ups so far (`switching`): left out of its time."""
+        return self._switching
+
+    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> str:
         """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
         Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's; decided
-        evidence where nobody speculated but someone decided."""
+        evidence where nobody speculated but someone decided. Returns what it was counted as (the kinds, joined
+        by "+"; "learning" or "" where it was not: backends.tick_log)."""
         seconds -= self._switching
-        if seconds <= 0 or self._rows_learning:
-            return
+        if self._rows_learning:
+            return "learning"
+        if seconds <= 0:
+            return ""
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
             kinds = [self.speculated]
@@ -218,6 +226,7 @@ class Realised:
             kinds.append(self.decided)
         for rates in kinds:
             rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+        return "+".join(KINDS[[self.plain, self.speculated, self.decided].index(rates)] for rates in kinds)
 
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""

@@ -39,6 +39,7 @@ from backends.errors import DecodeError
 from backends.events import REJECTED, Event, Token
 from backends.kv import Lane
 from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
+from backends.tick_log import TickLog
 
 if TYPE_CHECKING:
     from backends.slot import Learnt
@@ -77,6 +78,7 @@ class Scheduler:
         if target_lane is not None:  # a plain tick's time as the live curve predicts it (backends.realised)
             self.load.realised.plain_seconds = lambda rows: _decode_seconds(target_lane, rows)
         self.ticks = 0
+        self._tick_log = TickLog.from_env()  # SPECCHAT_TICK_LOG: every tick, for measuring (backends.tick_log)
         self._tokens = 0  # tokens committed in this tick
         self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk
 
@@ -187,8 +189,15 @@ class Scheduler:
         # Everyone who got rows (or an error) runs on to its next request now, while the logits are valid.
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
         realised = self.load.realised
-        if decoded and not self._prompt:
-            realised.add(self.load.sequences, self._speculated, self._tokens, time.perf_counter() - t0)
+        if decoded:
+            seconds, log = time.perf_counter() - t0, self._tick_log
+            verdict = realised.pays(self.load.sequences) if log is not None else None
+            switching = realised.switched
+            kind = "prompt" if self._prompt else \
+                realised.add(self.load.sequences, self._speculated, self._tokens, seconds)
+            if log is not None:
+                log.tick(realised.tick, self.load.sequences, self.load.rows, kind, verdict, self._tokens, seconds,
+                         switching, self.target_lane.ctx.threads if self.target_lane is not None else None)
         realised.next_tick()
         self.load.running = max(len(self._active), 1)
         if not self._active:
