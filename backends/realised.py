@@ -217,16 +217,16 @@ class Realised:
             return ""
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
-            kinds = [self.speculated]
+            kinds = ["speculated"]
         elif not decided:
-            kinds = [self.plain]
+            kinds = ["plain"]
         else:  # plain rows, but the next tick's decisions ran in it: no plain evidence
             kinds = []
         if decided and not speculated:  # plain rows and `auto`'s work on top
-            kinds.append(self.decided)
-        for rates in kinds:
-            rates.setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
-        return "+".join(KINDS[[self.plain, self.speculated, self.decided].index(rates)] for rates in kinds)
+            kinds.append("decided")
+        for kind in kinds:
+            getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+        return "+".join(kinds)
 
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""

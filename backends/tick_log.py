@@ -11,7 +11,7 @@ than plain decoding's. With SPECCHAT_TICK_LOG naming a file, every scheduler
      "verdict": false, "tokens": 12, "seconds": 0.2495, "switching": 0.0, "threads": 1}
 
 `kind` is what the realised check counted the tick as ("speculated",
-"plain", "decided", "decided+plain"... as backends.realised.Realised.add
+"plain", "decided", "speculated+decided", as backends.realised.Realised.add
 returns it; "learning" where an option still being learnt chose its rows,
 "prompt" for a prompt chunk, which is not counted), `verdict` what
 `Realised.pays` said at that batch size before the tick was counted (None:
