@@ -74,6 +74,7 @@ class Lane:
         self.chunk = min(chunk or ctx.n_batch, ctx.n_batch)
         self.live = LiveCurve()
         self.last_rows = 0  # rows of the last decode
+        self.seconds = 0.0  # in llama_decode, all decodes together (a tick's decode time is the difference)
         self.followers: list[Callable[[Sequence[Sequence[Entry]], list[list[int]]], None]] = []
         # The thread count that decodes fastest now, up to the context's (backends.thread_count), or the one another
         # lane found (a draft's, its target's); None: always the context's (layers offloaded, or one thread).
@@ -94,6 +95,7 @@ class Lane:
         self.ctx.decode(self.batch)
         seconds = time.perf_counter() - t0
         self.last_rows = n
+        self.seconds += seconds
         probe = count is not None and threads != count.current  # a few decodes at another count
         if count is not None:
             count.observe(threads, n, seconds)

@@ -81,6 +81,7 @@ class Scheduler:
         self._tick_log = TickLog.from_env()  # SPECCHAT_TICK_LOG: every tick, for measuring (backends.tick_log)
         self._tokens = 0  # tokens committed in this tick
         self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk
+        self._decoding = [0.0, 0.0]  # seconds this tick spent in llama_decode: the target's lane, the others'
 
     def __len__(self) -> int:
         return len(self._active)
@@ -129,13 +130,15 @@ class Scheduler:
                 used += size
         if not batch:
             return [a for a in waiting if a.pending is None]
+        target = lane is self.target_lane
+        before = lane.seconds
         try:
             rows = lane.decode([a.pending.entries for a in batch])  # type: ignore[union-attr]
         except DecodeError as e:
             for a in batch:
                 a.reply, a.pending = e, None
             return batch
-        target = lane is self.target_lane
+        self._decoding[not target] += lane.seconds - before
         for a, r in zip(batch, rows):
             if target:
                 entries = a.pending.entries  # type: ignore[union-attr]
@@ -168,6 +171,7 @@ class Scheduler:
         """
         t0 = time.perf_counter()
         self._tokens, self._speculated, self._prompt = 0, False, False
+        self._decoding = [0.0, 0.0]
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
         if not self._active:
             return 0
@@ -197,7 +201,8 @@ class Scheduler:
                 realised.add(self.load.sequences, self._speculated, self._tokens, seconds)
             if log is not None:
                 log.tick(realised.tick, self.load.sequences, self.load.rows, kind, verdict, self._tokens, seconds,
-                         switching, self.target_lane.ctx.threads if self.target_lane is not None else None)
+                         switching, self.target_lane.ctx.threads if self.target_lane is not None else None,
+                         *self._decoding)
         realised.next_tick()
         self.load.running = max(len(self._active), 1)
         if not self._active:

@@ -8,7 +8,8 @@ than plain decoding's. With SPECCHAT_TICK_LOG naming a file, every scheduler
 (`specchat serve`, `bench --clients`) appends a line per tick to it:
 
     {"pid": 1314, "t": 1764512345.123, "tick": 4951, "sequences": 8, "rows": 18, "kind": "speculated",
-     "verdict": false, "tokens": 12, "seconds": 0.2495, "switching": 0.0, "threads": 1}
+     "verdict": false, "tokens": 12, "seconds": 0.2495, "switching": 0.0, "threads": 1, "decode": 0.2301,
+     "draft": 0.0112}
 
 `kind` is what the realised check counted the tick as ("speculated",
 "plain", "decided", "speculated+decided", as backends.realised.Realised.add
@@ -16,7 +17,10 @@ returns it; "learning" where an option still being learnt chose its rows,
 "prompt" for a prompt chunk, which is not counted), `verdict` what
 `Realised.pays` said at that batch size before the tick was counted (None:
 not enough evidence to judge), `threads` what the target's decodes ran with
-at the tick's end (backends.thread_count). Several processes may append to one file (a
+at the tick's end (backends.thread_count), `decode` and `draft` the seconds
+the tick spent in llama_decode on the target's lane and on the others (a
+draft's): the rest of `seconds` is the host's (the step machines, sampling,
+events), where `auto`'s own work shows against plain decoding's. Several processes may append to one file (a
 line is written whole, with O_APPEND): `pid` tells them apart.
 tests/perf/tick_log.py sums a log by process, batch size and kind.
 
@@ -56,12 +60,13 @@ class TickLog:
             return None
 
     def tick(self, tick: int, sequences: int, rows: int, kind: str, verdict: bool | None, tokens: int,
-             seconds: float, switching: float, threads: int | None) -> None:
+             seconds: float, switching: float, threads: int | None, decode: float = 0.0, draft: float = 0.0) -> None:
         try:
             self._stream.write(json.dumps({
                 "pid": self._pid, "t": round(time.time(), 3), "tick": tick, "sequences": sequences, "rows": rows,
                 "kind": kind, "verdict": verdict, "tokens": tokens, "seconds": round(seconds, 5),
-                "switching": round(switching, 5), "threads": threads}) + "\n")
+                "switching": round(switching, 5), "threads": threads, "decode": round(decode, 5),
+                "draft": round(draft, 5)}) + "\n")
         except (OSError, ValueError):  # a full disk, a closed file: the log stops, decoding goes on
             self._stream = _Closed()
 

@@ -40,6 +40,9 @@ def test_every_tick_is_logged_with_what_the_realised_check_counted_it_as(tiny, t
     counted = [t for t in sps_ticks if t["kind"] == "speculated"]
     assert sum(t["rows"] > t["sequences"] for t in counted) > len(counted) / 2, "sps verifies chains: rows beyond one"
     assert all(t["pid"] > 0 and t["seconds"] > 0 and t["verdict"] in (True, False, None) for t in ticks)
+    assert all(0 < t["decode"] < t["seconds"] and t["draft"] == 0 for t in ar_ticks), "ar: the target's decodes only"
+    assert all(t["decode"] + t["draft"] < t["seconds"] for t in sps_ticks)
+    assert sum(t["draft"] > 0 for t in counted) > len(counted) / 2, "sps drafts in the ticks that verify its chains"
 
     table = subprocess.run([sys.executable, "tests/perf/tick_log.py", str(log)], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout

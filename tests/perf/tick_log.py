@@ -5,9 +5,9 @@
 
 Per process (pid) and batch size: the ticks of each kind the realised check
 counted them as, their tokens, seconds (less the catch-ups left out), tokens
-per second, and the median and 90th percentile of a tick's time (beside a busy
+per second, the median and 90th percentile of a tick's time (beside a busy
 core a tick's time is bimodal: a thread waiting out the other program's time
-slice); then the verdicts `Realised.pays` gave, and how many ticks were
+slice), the host's milliseconds a tick (its time outside llama_decode); then the verdicts `Realised.pays` gave, and how many ticks were
 decoded before any verdict (None: speculation unjudged at that batch size).
 """
 
@@ -43,16 +43,18 @@ def summary(ticks: list[dict]) -> str:
         groups[(t["pid"], t["sequences"], t["kind"] or "-")].append(t)
         if t["kind"] != "prompt":
             verdicts[(t["pid"], t["sequences"])][str(t["verdict"])] += 1
-    lines = ["| pid | batch | kind | ticks | rows/tick | tokens | seconds | tok/s | s/tick p50 | p90 | verdicts |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| pid | batch | kind | ticks | rows/tick | tokens | seconds | tok/s | s/tick p50 | p90 | host ms/tick | "
+             "verdicts |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (pid, batch, kind), group in sorted(groups.items()):
         secs = sorted(t["seconds"] - t["switching"] for t in group)
         tokens, seconds = sum(t["tokens"] for t in group), sum(secs)
         rate = tokens / seconds if seconds > 0 else 0.0
         said = ", ".join(f"{k} {n}" for k, n in sorted(verdicts[(pid, batch)].items()))
+        host = 1000 * sum(t["seconds"] - t.get("decode", 0.0) - t.get("draft", 0.0) for t in group) / len(group)
         lines.append(f"| {pid} | {batch} | {kind} | {len(group)} | {sum(t['rows'] for t in group) / len(group):.1f} | "
                      f"{tokens} | {seconds:.2f} | {rate:.1f} | {statistics.median(secs):.4f} | "
-                     f"{secs[min(len(secs) - 1, 9 * len(secs) // 10)]:.4f} | {said} |")
+                     f"{secs[min(len(secs) - 1, 9 * len(secs) // 10)]:.4f} | {host:.2f} | {said} |")
     return "\n".join(lines)
 
 
