@@ -48,16 +48,20 @@ class TickLog:
 
     @classmethod
     def from_env(cls) -> "TickLog | None":
-        """The log SPECCHAT_TICK_LOG names, or None (unset, or the file cannot be opened: said once)."""
+        """The log SPECCHAT_TICK_LOG names, or None (unset, or the file cannot be opened: said once). One per
+        process and file: every scheduler a process makes (`bench` makes one per run) writes through it."""
         path = os.environ.get(ENV)
         if not path:
             return None
+        if (log := _OPEN.get(path)) is not None and log._pid == os.getpid():
+            return log
         try:
-            return cls(open(path, "a", buffering=1, encoding="utf-8"))
+            log = _OPEN[path] = cls(open(path, "a", buffering=1, encoding="utf-8"))
         except OSError as e:
             print(f"specchat: {ENV}: cannot write {path}: {e.strerror or e}; ticks not logged", file=sys.stderr)
             os.environ.pop(ENV, None)  # said once per process, not per scheduler
             return None
+        return log
 
     def tick(self, tick: int, sequences: int, rows: int, kind: str, verdict: bool | None, tokens: int,
              seconds: float, switching: float, threads: int | None, decode: float = 0.0, draft: float = 0.0) -> None:
@@ -69,6 +73,9 @@ class TickLog:
                 "draft": round(draft, 5)}) + "\n")
         except (OSError, ValueError):  # a full disk, a closed file: the log stops, decoding goes on
             self._stream = _Closed()
+
+
+_OPEN: dict[str, TickLog] = {}  # this process's logs by path (a forked child opens its own: its pid differs)
 
 
 class _Closed:

@@ -32,6 +32,7 @@ def test_every_tick_is_logged_with_what_the_realised_check_counted_it_as(tiny, t
     ticks = [json.loads(line) for line in log.read_text().splitlines()]
     ar_ticks, sps_ticks = ticks[:len(ar_lines)], ticks[len(ar_lines):]
     assert len(ar_ticks) == plain.scheduler.ticks and len(sps_ticks) == spec.scheduler.ticks, "one line a tick"
+    assert plain.scheduler._tick_log is spec.scheduler._tick_log is not None, "one open file a process"
     for logged, events in ((ar_ticks, plain_events), (sps_ticks, spec_events)):
         committed = sum(1 for e in sum(events, []) if type(e) is Token and e.kind != REJECTED)
         assert sum(t["tokens"] for t in logged) == committed == 2 * 24, "every committed token, in its tick"
