@@ -20,8 +20,9 @@ not enough evidence to judge), `threads` what the target's decodes ran with
 at the tick's end (backends.thread_count), `decode` and `draft` the seconds
 the tick spent in llama_decode on the target's lane and on the others (a
 draft's): the rest of `seconds` is the host's (the step machines, sampling,
-events), where `auto`'s own work shows against plain decoding's. Several processes may append to one file (a
-line is written whole, with O_APPEND): `pid` tells them apart.
+events), where `auto`'s own work shows against plain decoding's. Several
+processes may append to one file (a line is written whole, with O_APPEND):
+`pid` tells them apart.
 tests/perf/tick_log.py sums a log by process, batch size and kind.
 
 Off unless the variable is set; a file that cannot be written is one warning

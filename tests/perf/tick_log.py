@@ -7,8 +7,9 @@ Per process (pid) and batch size: the ticks of each kind the realised check
 counted them as, their tokens, seconds (less the catch-ups left out), tokens
 per second, the median and 90th percentile of a tick's time (beside a busy
 core a tick's time is bimodal: a thread waiting out the other program's time
-slice), the host's milliseconds a tick (its time outside llama_decode); then the verdicts `Realised.pays` gave, and how many ticks were
-decoded before any verdict (None: speculation unjudged at that batch size).
+slice), the host's milliseconds a tick (its time outside llama_decode); then
+the verdicts `Realised.pays` gave, and how many ticks were decoded before any
+verdict (None: speculation unjudged at that batch size).
 """
 
 from __future__ import annotations
