@@ -16,6 +16,7 @@ from backends.kv import common_prefix
 from backends.realised import Realised
 from backends.sampling import GenParams
 from backends.strategies.auto import AutoDecoding
+from backends.strategies.auto.choose import HELD_BACK
 from backends.strategies.auto.decide import DRAFT, SETTLE_STEPS
 from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import AutoState
@@ -78,14 +79,20 @@ def test_the_share_of_a_catch_up_that_a_hold_back_caused_is_the_checks_switch_th
         engine.close()
 
 
+def _free_rows(tiny) -> tuple[Engine, StrategyOptions, GenParams]:
+    """An engine whose cost model makes every row look free (so `auto` verifies any lookup it finds), `auto`
+    with lookup alone and no exploration, and 40 greedy tokens."""
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, cost_cache=Path("")))
+    engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)
+    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
+    return engine, options, GenParams(max_tokens=40, temperature=0.0)
+
+
 def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> None:
     """A cost model that makes every row look free, and a copying prompt: auto verifies lookups at once. With
     the record saying speculating ticks delivered less at this batch size, every step is plain; the output
     is the same."""
-    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, cost_cache=Path("")))
-    engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)
-    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
-    params = GenParams(max_tokens=40, temperature=0.0)
+    engine, options, params = _free_rows(tiny)
     try:
         prompt = _copying_prompt(engine)
 
@@ -111,6 +118,33 @@ def test_auto_decodes_plainly_where_speculation_was_found_not_to_pay(tiny) -> No
         assert not looked_up, "held back, a step looks no proposals up"
         assert losing.plain[1].last_tick > 40 and losing.speculated[1].last_tick == 39, \
             "held back, nobody decides: its ticks are plain evidence"
+    finally:
+        engine.close()
+
+
+def test_a_held_back_step_keeps_the_exploration_schedule_and_learns_its_time_alone(tiny) -> None:
+    """Held back, a step is `ar`'s (Generation._held_back) yet still counts for the exploration schedule (each
+    option's steps since it was taken), is counted as plain, and alone teaches the plain step's time and the
+    rate reached, as the general path's plain steps do; every step after the first says why it was plain."""
+    engine, options, params = _free_rows(tiny)
+    try:
+        prompt = _copying_prompt(engine)
+        state = AutoState(learn_timing=True)
+        engine.auto_states = {"greedy": state, "sampled": AutoState(learn_timing=True)}
+        losing = Realised()
+        _ticks(losing, 20, 1, False, 1, 0.01)
+        _ticks(losing, 20, 1, True, 1, 0.02)
+        _, (events,) = pool_run(engine, [("auto", prompt)], params, options, losing)
+        ends = [e for e in events if isinstance(e, StepEnd)]
+        assert len(ends) == 40 and {e.choice for e in ends} == {"plain"}
+        assert {e.why for e in ends[1:]} == {HELD_BACK}, "every step after the first was held back"
+        assert state.taken == {"plain": 40}, state.taken
+        assert state.since["lookup"] == 40 and state.since["draft"] == 40, state.since
+        assert state.t_plain.n >= 40 and state.tokens.n == 40 and state.seconds.n == 40, \
+            (state.t_plain.n, state.tokens.n, state.seconds.n)
+        assert state.t_plain.value is not None and state.t_plain.value < 0.005, \
+            "learnt from the steps, down from the device cost's seed of 10 ms a step"
+        assert state.seconds.value is not None and 0 < state.seconds.value < 0.005
     finally:
         engine.close()
 

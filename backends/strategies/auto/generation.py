@@ -31,7 +31,7 @@ from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOK
 from backends.strategies.auto.proposals import CandidateTree, candidate_tree, looked_at
 from backends.strategies.auto.state import MATCH_EXTEND, MAX_POSITION, confidence_bin, lookup_key, memory_key
 from backends.strategies.branches import verify_tree
-from backends.strategies.chain import chain_step, forced_step
+from backends.strategies.chain import chain_step, forced_step, plain_step
 from backends.strategies.drafting import Chain, DraftRule, Either, PMin, draft_chain
 from backends.strategies.lookahead import LookaheadWindow
 from backends.strategies.lookup import NgramIndex
@@ -58,6 +58,7 @@ SOURCES = {DRAFT: "draft", LOOKUP: "lookup", MEMORY: "memory", PLAIN: "target"} 
 # of 1.03x on the GPU's flat curve) and was kept, and one-client runs read 0.44x plain at 2.7-2.9 tokens a forward
 # (docs/results.md, "A GPU").
 DRAFT_MIN_BEST = 1.05
+HELD = Choice(PLAIN, why=HELD_BACK)  # every held-back step's choice (it is never changed)
 
 
 class Generation:
@@ -138,11 +139,12 @@ class Generation:
         lookup, match = ([], 0)
         learning = False  # the option chosen is still being learnt (decide.SETTLE_STEPS)
         first = not run.output
+        realised = self.slot.load.realised
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
-        elif not (realised := self.slot.load.realised).allows(self.costs.batch()[0]):  # held back: no lookups
-            self.proposals = self._none
-            choice = Choice(PLAIN, why=HELD_BACK)
+        elif not realised.allows(self.costs.batch()[0]):  # held back: no lookups, and `ar`'s step
+            yield from self._held_back(t0)
+            return
         else:
             realised.deciding()  # what this costs counts with speculation's ticks (backends.realised)
             if self.index is not None:
@@ -171,8 +173,6 @@ class Generation:
             yield from self._chain([], None, PLAIN, choice, [])
         self.costs.learn(st.tokens, len(run.output) - before)
         self.costs.learn(st.seconds, time.perf_counter() - t0)
-        if choice.why == HELD_BACK:
-            self.held_tokens += len(run.output) - before
         if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
                 and self.chooser.lag() > CHAIN_LAG and self.chooser.draft_in_use() \
                 and self.chooser.catch_up_affordable(self.costs.t_plain()):
@@ -191,6 +191,28 @@ class Generation:
             self.slot.load.realised.switching(seconds)  # a switch, not a draft step's cost
             if (decoded := len(self.draft.tokens) - kept) > 1:  # what a caught-up token costs, for later catch-ups
                 self.costs.learn(st.catch_up, seconds / decoded)
+
+    def _held_back(self, t0: float) -> Iterator[object]:
+        """A plain step where the realised check holds speculation back (backends.realised): `ar`'s own step, and
+        of the bookkeeping only what the exploration schedule and the timings need. Where speculation does not
+        pay, this is nearly every step `auto` takes, and on a fast device each microsecond of it is a share of
+        the step: through the general path (a new Choice, a chain of none, a timing check per figure learnt)
+        it cost about twice as much more than `ar`'s step (docs/results.md, "A fast step")."""
+        run, st = self.run, self.state
+        self.proposals = self._none
+        self._count(HELD)
+        before = len(run.output)
+        t1 = time.perf_counter()
+        self.decide_seconds += t1 - t0
+        yield from plain_step(run, self.target, HELD_BACK)
+        t2 = time.perf_counter()
+        self._rows(1)
+        tokens = len(run.output) - before
+        self.held_tokens += tokens
+        if self.costs.timing():  # alone: as `_chain` and `step` learn a plain step's time and yield
+            st.t_plain.add(t2 - t1)
+            st.tokens.add(tokens)
+            st.seconds.add(t2 - t0)
 
     def _count(self, choice: Choice) -> None:
         """The exploration schedule's bookkeeping: steps since each option was taken, tries, back-off."""
