@@ -149,7 +149,9 @@ def main() -> None:
     ap.add_argument("--temps", default="0,0.8")
     ap.add_argument("--modes", default="inproc,http")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=16, help="requests per cell and repeat, the prompts in turn")
+    ap.add_argument("--requests", type=int,
+                    help="requests per cell and repeat, the prompts in turn (16; 64 with -ngl: on a fast step 16 "
+                         "requests are a run of a second or two, which exploration and the machine's noise fill)")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--target", default=TARGET,
                     help=f"the target, a name or a GGUF path ({TARGET}, the F32 SmolLM2: the matrix's own); another "
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--table", nargs="?", type=Path, const=TABLE,
                     help=f"measure nothing: draw the whole matrix from the record into this file ({TABLE.name})")
     args = ap.parse_args()
+    if args.requests is None:
+        args.requests = 64 if args.gpu_layers else 16
     machine = machine_id(gpu=args.gpu_layers != 0)
     other = None if args.target == TARGET else Path(args.target).name  # recorded apart from the matrix's own
     if args.table is not None:
