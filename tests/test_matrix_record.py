@@ -84,18 +84,20 @@ def test_a_broken_record_names_its_line(tmp_path: Path) -> None:
 
 @pytest.mark.demo
 def test_a_measured_cell_is_appended_and_drawn(instruct_pair, tmp_path: Path) -> None:
-    """One real cell (one thread, the Q2_K draft, greedy, in process, one client, one short request)."""
+    """One real cell (one thread, the Q2_K draft, greedy, in process, one client, short requests): its runs
+    sized to last a second (`--seconds`, from a timed run of `ar`), so more than the one request asked for."""
     record, table = tmp_path / "matrix.jsonl", tmp_path / "matrix.md"
     r = subprocess.run([sys.executable, str(MATRIX), "--threads", "1", "--hog", "off", "--drafts", "q2", "--clients",
                         "1", "--temps", "0", "--modes", "inproc", "--repeats", "1", "--requests", "1", "-n", "4",
-                        "--record", str(record)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                        "--seconds", "1", "--record", str(record)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(rows) == 1
     row = rows[0]
     assert row["cell"] == {"threads": 1, "hog": "off", "draft": "q2", "temp": 0.0, "mode": "inproc", "clients": 1}
     assert len(row["auto"]) == 1 and row["auto"][0] > 0 and row["control"] == []
-    assert row["requests"] == 1 and row["n"] == 4 and row["commit"] not in ("", "unknown") and not row["memory"]
+    assert row["requests"] > 1 and row["n"] == 4 and row["commit"] not in ("", "unknown") and not row["memory"]
+    assert f"({row['requests']} requests a run: `ar` at 1 client made" in r.stderr, r.stderr
     assert f"| 1 | off | q2 | 0 | inproc | 1 | {row['auto'][0]:.2f} |" in r.stdout
 
     r = subprocess.run([sys.executable, str(MATRIX), "--table", str(table), "--record", str(record)],

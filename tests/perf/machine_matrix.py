@@ -34,7 +34,10 @@ cells not run yet included (docs/matrix.md):
 A GPU machine offloads both models (`-ngl 99`) and may take another target
 (`--target FILE`, e.g. the Q2_K SmolLM2 where the F32 one cannot travel):
 its cells are recorded apart, the GPU named in the machine and the target
-in the record (docs/results.md, "A GPU").
+in the record (docs/results.md, "A GPU"). There each run lasts at least
+`--seconds` (5 by default with `-ngl`): a fast step makes sixteen requests a
+run of a second or less, which `auto`'s exploration and the machine's noise
+fill (docs/results.md, "A fast step").
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -86,6 +90,25 @@ def draft_path(name: str, target: Path) -> Path:
 def offload(args: argparse.Namespace) -> list[str]:
     """The target's and the draft's layers on the GPU (`-ngl`, `-ngld`): a GPU machine's matrix."""
     return ["-ngl", str(args.gpu_layers), "-ngld", str(args.gpu_layers)] if args.gpu_layers else []
+
+
+def requests_for(target: Path, draft: Path, threads: int, clients: list[int], temp: float,
+                 args: argparse.Namespace) -> int:
+    """Requests a run for `ar` at the most clients to take at least `args.seconds` (never fewer than
+    `args.requests`), from a short run of it timed now, on this group's threads, temperature and busy core."""
+    if args.seconds <= 0:
+        return args.requests
+    most = max(clients)
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", "ar",
+                        "--prompts", "chat", "--clients", str(most), "--requests", str(2 * most), "-n", str(args.n),
+                        "--temp", str(temp), "--seed", "1", "--repeats", "1", "-t", str(threads), *offload(args),
+                        "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rate = json.loads((Path(out) / "bench.json").read_text())["load"][0]["aggregate_tokens_per_second"]
+    requests = max(args.requests, math.ceil(args.seconds * rate / args.n))
+    print(f"({requests} requests a run: `ar` at {most} client{'s' * (most > 1)} made {rate:.0f} tok/s)",
+          file=sys.stderr, flush=True)
+    return requests
 
 
 Ratios = dict[str, dict[int, list[float]]]  # "auto" (and "control": ar's second run) -> clients -> per repeat
@@ -149,9 +172,13 @@ def main() -> None:
     ap.add_argument("--temps", default="0,0.8")
     ap.add_argument("--modes", default="inproc,http")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--requests", type=int,
-                    help="requests per cell and repeat, the prompts in turn (16; 64 with -ngl: on a fast step 16 "
-                         "requests are a run of a second or two, which exploration and the machine's noise fill)")
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests per cell and repeat, the prompts in turn (at least: see --seconds)")
+    ap.add_argument("--seconds", type=float,
+                    help="runs of at least this many seconds: before each group of cells `ar` is timed at the most "
+                         "clients on a short run, and --requests raised to fill them (0 without -ngl, 5 with it: "
+                         "on a fast step 16 requests are a run of a second or two, which exploration and the "
+                         "machine's noise fill; on an H200, 0.35 s)")
     ap.add_argument("-n", type=int, default=64, help="tokens per request")
     ap.add_argument("--target", default=TARGET,
                     help=f"the target, a name or a GGUF path ({TARGET}, the F32 SmolLM2: the matrix's own); another "
@@ -171,8 +198,8 @@ def main() -> None:
     ap.add_argument("--table", nargs="?", type=Path, const=TABLE,
                     help=f"measure nothing: draw the whole matrix from the record into this file ({TABLE.name})")
     args = ap.parse_args()
-    if args.requests is None:
-        args.requests = 64 if args.gpu_layers else 16
+    if args.seconds is None:
+        args.seconds = 5.0 if args.gpu_layers else 0.0
     machine = machine_id(gpu=args.gpu_layers != 0)
     other = None if args.target == TARGET else Path(args.target).name  # recorded apart from the matrix's own
     if args.table is not None:
@@ -198,7 +225,10 @@ def main() -> None:
         busy = hog() if hogged == "on" else None
         try:
             run = inproc if mode == "inproc" else http
-            ratios = run(target, draft_path(draft, target), threads, clients, temp, args)
+            dpath = draft_path(draft, target)
+            cell_args = argparse.Namespace(**{**vars(args), "requests": requests_for(target, dpath, threads,
+                                                                                     clients, temp, args)})
+            ratios = run(target, dpath, threads, clients, temp, cell_args)
         finally:
             if busy is not None:
                 busy.kill()
@@ -215,7 +245,7 @@ def main() -> None:
             if got and not args.no_record:
                 append(args.record, Cell(threads, hogged, draft, temp, mode, c), got,
                        ratios.get("control", {}).get(c, []), code=code, day=day, machine=machine,
-                       requests=args.requests, n=args.n, memory=mode == "http" and args.memory, target=other)
+                       requests=cell_args.requests, n=args.n, memory=mode == "http" and args.memory, target=other)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
