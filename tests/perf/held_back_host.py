@@ -28,6 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from auto_helpers import pool_run  # noqa: E402
 from gguf_factory import write_llama_gguf  # noqa: E402
 from test_lossless import _copying_prompt  # noqa: E402
+from test_realised import _ticks  # noqa: E402
 
 from backends.config import AutoConfig, StrategyOptions  # noqa: E402
 from backends.device_cost import BatchCost, DeviceCost  # noqa: E402
@@ -40,10 +41,8 @@ from backends.strategies.auto.state import AutoState  # noqa: E402
 def losing() -> Realised:
     """A record in which speculating ticks at one sequence delivered half the plain ones' rate."""
     r = Realised()
-    for speculated, seconds in ((False, 0.01), (True, 0.02)):
-        for _ in range(20):
-            r.add(1, speculated, 1, seconds)
-            r.next_tick()
+    _ticks(r, 20, 1, False, 1, 0.01)
+    _ticks(r, 20, 1, True, 1, 0.02)
     return r
 
 

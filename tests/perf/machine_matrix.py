@@ -92,6 +92,18 @@ def offload(args: argparse.Namespace) -> list[str]:
     return ["-ngl", str(args.gpu_layers), "-ngld", str(args.gpu_layers)] if args.gpu_layers else []
 
 
+def bench_load(target: Path, draft: Path, strategies: str, clients: list[int], requests: int, temp: float,
+               threads: int, args: argparse.Namespace, *extra: str) -> list[dict]:
+    """One `specchat bench --clients` process (one repeat, the chat prompts at seed 1): its load rows."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", strategies,
+                        "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests", str(requests),
+                        "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1", *extra,
+                        "-t", str(threads), *offload(args), "--out", out], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads((Path(out) / "bench.json").read_text())["load"]
+
+
 def requests_for(target: Path, draft: Path, threads: int, clients: list[int], temp: float,
                  args: argparse.Namespace) -> int:
     """Requests a run for `ar` at the most clients to take at least `args.seconds` (never fewer than
@@ -99,12 +111,7 @@ def requests_for(target: Path, draft: Path, threads: int, clients: list[int], te
     if args.seconds <= 0:
         return args.requests
     most = max(clients)
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", "ar",
-                        "--prompts", "chat", "--clients", str(most), "--requests", str(2 * most), "-n", str(args.n),
-                        "--temp", str(temp), "--seed", "1", "--repeats", "1", "-t", str(threads), *offload(args),
-                        "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rate = json.loads((Path(out) / "bench.json").read_text())["load"][0]["aggregate_tokens_per_second"]
+    rate = bench_load(target, draft, "ar", [most], 2 * most, temp, threads, args)[0]["aggregate_tokens_per_second"]
     requests = max(args.requests, math.ceil(args.seconds * rate / args.n))
     print(f"({requests} requests a run: `ar` at {most} client{'s' * (most > 1)} made {rate:.0f} tok/s)",
           file=sys.stderr, flush=True)
@@ -119,17 +126,11 @@ def inproc(target: Path, draft: Path, threads: int, clients: list[int], temp: fl
     """auto / ar (and ar / ar) per client count, one figure per repeat, from `specchat bench --clients`."""
     ratios: Ratios = {}
     for rep in range(args.repeats):
-        with tempfile.TemporaryDirectory() as out:
-            subprocess.run([sys.executable, "-m", "app", "bench", "-m", str(target), "-md", str(draft), "-s", "ar,auto",
-                            "--prompts", "chat", "--clients", ",".join(map(str, clients)), "--requests",
-                            str(args.requests), "-n", str(args.n), "--temp", str(temp), "--seed", "1", "--repeats", "1",
-                            "--rotate", str(rep), *(["--control"] if args.control else []),
-                            "-t", str(threads), *offload(args), "--out", out], check=True, cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for row in json.loads((Path(out) / "bench.json").read_text())["load"]:
-                kind = "auto" if row["strategy"] == "auto" else "control" if row["label"] != "ar" else None
-                if kind is not None:
-                    ratios.setdefault(kind, {}).setdefault(row["clients"], []).append(row["speedup_vs_ar"])
+        for row in bench_load(target, draft, "ar,auto", clients, args.requests, temp, threads, args, "--rotate",
+                              str(rep), *(["--control"] if args.control else [])):
+            kind = "auto" if row["strategy"] == "auto" else "control" if row["label"] != "ar" else None
+            if kind is not None:
+                ratios.setdefault(kind, {}).setdefault(row["clients"], []).append(row["speedup_vs_ar"])
     return ratios
 
 
