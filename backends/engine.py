@@ -45,6 +45,7 @@ from backends.memory_file import memory_file, memory_dir
 from backends.mtp_chain import mtp_lanes
 from backends.reasoning import Thinking
 from backends.registry import spec
+from backends.scheduler import Alone, Scheduler
 from backends.slot import Learnt, Slot
 from backends.store import JsonStore
 from backends.strategies.base import Remembering, Strategy
@@ -243,9 +244,11 @@ class Engine:
     def strategy(self, name: str, options: StrategyOptions = StrategyOptions(), slot: int = 0) -> Strategy:
         """The named strategy on one of this engine's slots (backends.registry). With the speculation memory
         on (and the options not refusing it), what it generates is remembered (Remembering). A thinking model's
-        output is split into reasoning and answer where GenParams.reasoning asks (backends.reasoning.Thinking)."""
+        output is split into reasoning and answer where GenParams.reasoning asks (backends.reasoning.Thinking). One
+        bounded by what it realises (`auto`) is driven alone through a scheduler (backends.scheduler.Alone)."""
+        entry = spec(name)
         try:
-            built = spec(name).build(self.slots[slot], options)
+            built = entry.build(self.slots[slot], options)
         except ValueError as e:  # too few sequences: on a recurrent target, say why there is one
             if not self.recurrent:
                 raise
@@ -253,7 +256,13 @@ class Engine:
                              "per request here; use auto, sps, lookup or ar") from None
         strategy: Strategy = Thinking(built, self.target_model)
         memory = self.memory() if options.memory else None
-        return Remembering(strategy, memory) if memory is not None else strategy
+        if memory is not None:
+            strategy = Remembering(strategy, memory)
+        if not entry.realised:
+            return strategy
+        # `auto` alone is a batch of one: its ticks are timed and counted as under load (backends.realised), on the
+        # slot's load, with the rates every scheduler of this engine shares.
+        return Alone(strategy, lambda: Scheduler(self.target_lane, self.learnt, self.slots[slot].load))
 
     # -- the speculation memory -------------------------------------------------
 

@@ -38,6 +38,9 @@ class StrategySpec:
     n_seq: Callable[[StrategyOptions], int] = lambda _o: 1
     sweep: Callable[[StrategyOptions], list[StrategyOptions]] = lambda _o: []
     uses_draft: bool = False  # loads the draft model when one is given (always, when it needs one)
+    # Bounded by what its speculation realises (backends.realised): alone, it is driven through a scheduler of one
+    # whose ticks are timed and counted, as under load. The others' ticks would say nothing of its choices.
+    realised: bool = False
 
     def __post_init__(self) -> None:
         if self.needs_draft:
@@ -134,6 +137,7 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
         needs_draft=False, build=_build_auto, label=_auto_label,
         n_seq=lambda o: max(o.lookahead.n_seq_max if o.auto.lookahead else 1,
                             o.auto.memory_paths + 1 if o.auto.memory and o.memory else 1), uses_draft=True,
+        realised=True,
         sweep=lambda o: _grid(o, "auto", [{"draft": False}, {"lookup": False}, {"lookahead": False},
                                           {"draft_max": 6}]),
     ),

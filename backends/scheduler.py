@@ -33,26 +33,31 @@ process kept on the same files, and are kept for the next
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from backends.errors import DecodeError
 from backends.events import REJECTED, Event, Token
 from backends.kv import Lane
+from backends.sampling import GenParams
 from backends.steps import BatchLoad, Decode, Finished, Reply, Steps, advance
+from backends.strategies.base import never
 from backends.tick_log import TickLog
 
 if TYPE_CHECKING:
     from backends.slot import Learnt
+    from backends.strategies.base import Strategy
 
 
 def _decode_seconds(lane: Lane, rows: int) -> float | None:
-    """Seconds of a decode of `rows` rows on `lane`, by its live curve; None beyond it or before it is seeded."""
-    curve = lane.live.curve()
-    return curve.seconds[rows - 1] if curve is not None and 1 <= rows <= len(curve.seconds) else None
+    """Seconds of a decode of `rows` rows on `lane`, by its live curve; None beyond it or before it is seeded.
+    (Its own size's prediction, not the curve made monotone, which is rebuilt after every reading: this is read
+    every tick, backends.realised's pace.)"""
+    live = lane.live
+    return live.seconds(rows) if 1 <= rows <= live.rows else None
 
 
 class _Active:
-    """One sequence in the scheduler: its machine, where its events go, and what it waits for."""
+    """One sequence in the scheduler: its machine, where its events go (counted), and what it waits for."""
 
     __slots__ = ("steps", "sink", "on_end", "pending", "reply")
 
@@ -68,11 +73,13 @@ class _Active:
 class Scheduler:
     """Many step machines, their rows packed into one decode per lane per tick."""
 
-    def __init__(self, target_lane: Lane | None = None, learnt: "Learnt | None" = None) -> None:
+    def __init__(self, target_lane: Lane | None = None, learnt: "Learnt | None" = None,
+                 load: BatchLoad | None = None) -> None:
+        """`load`: the one its sequences' strategies read (a slot's, for one driven alone); a new one by default."""
         self.target_lane = target_lane  # whose batches `load` describes
         self._active: list[_Active] = []
         self._turn = 0  # who goes first in the next tick's batches (rotates: no sequence always waits)
-        self.load = BatchLoad()
+        self.load = load if load is not None else BatchLoad()
         if learnt is not None:  # the realised rates an earlier process kept, and kept from now on
             learnt.realised_for(self.load)
         if target_lane is not None:  # a plain tick's time as the live curve predicts it (backends.realised)
@@ -90,21 +97,19 @@ class Scheduler:
             on_end: Callable[[BaseException | None], None] = lambda _e: None) -> None:
         """A new sequence; it starts at the next tick. `on_end(None)` when its machine ends, `on_end(exc)`
         when it raised (after which its strategy's caches are in an unknown state)."""
-        self._active.append(_Active(steps, sink, on_end))
+        def counted(event: Event) -> None:  # the tick's committed tokens, for the realised rates
+            if type(event) is Token and event.kind != REJECTED:
+                self._tokens += 1
+            sink(event)
+
+        self._active.append(_Active(steps, counted, on_end))
         self.load.running = len(self._active)
 
     def _advance(self, a: _Active) -> bool:
         """Run `a` to its next request; False when it ended."""
         reply, a.reply = a.reply, None
-        sink = a.sink
-
-        def counted(event: Event) -> None:
-            if type(event) is Token and event.kind != REJECTED:
-                self._tokens += 1
-            sink(event)
-
         try:
-            request = advance(a.steps, reply, counted)
+            request = advance(a.steps, reply, a.sink)
         except Exception as e:  # noqa: BLE001 - one sequence's failure ends it alone
             a.on_end(e)
             return False
@@ -213,3 +218,43 @@ class Scheduler:
         """Tick until every sequence has ended."""
         while self.step():
             pass
+
+
+def run_alone(steps: Steps, scheduler: Scheduler) -> Iterator[Event]:
+    """The events of one step machine, driven alone by `scheduler` (a batch of one): as backends.steps.run_solo
+    drives it, each tick's events handed on as soon as the tick ends (before the next decode), a raising machine's
+    exception raised here, and the machine closed when its events are no longer wanted; and each tick timed and
+    counted as under load, so that `auto` alone is bounded by what its speculation delivers (backends.realised)
+    as it is beside others."""
+    events: list[Event] = []
+    ended: list[BaseException | None] = []
+    scheduler.add(steps, events.append, ended.append)
+    try:
+        running = 1
+        while running:
+            running = scheduler.step()
+            yield from events
+            events.clear()
+    finally:
+        steps.close()
+    if ended and ended[0] is not None:
+        raise ended[0]
+
+
+class Alone:
+    """A strategy whose `generate` runs its step machine through a scheduler of its own (`run_alone`), made for each
+    generation by `scheduler`; everything else is the strategy's (`inner`)."""
+
+    def __init__(self, inner: "Strategy", scheduler: Callable[[], Scheduler]) -> None:
+        self.inner = inner
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def steps(self, prompt: Sequence[int], params: GenParams, should_stop: Callable[[], bool] = never) -> Steps:
+        return self.inner.steps(prompt, params, should_stop)
+
+    def generate(self, prompt: Sequence[int], params: GenParams,
+                 should_stop: Callable[[], bool] = never) -> Iterator[Event]:
+        return run_alone(self.inner.steps(prompt, params, should_stop), self._scheduler())

@@ -98,14 +98,16 @@ def advancing(steps: Generator, reply: Reply) -> Generator[Event, None, Request 
 
 
 def advance(steps: Generator, reply: Reply, sink: Callable[[Event], None]) -> Request | Finished:
-    """`advancing` for a driver that is no generator itself: each event goes to `sink`."""
-    events = advancing(steps, reply)
-    while True:
-        try:
-            event = next(events)
-        except StopIteration as stop:
-            return stop.value
-        sink(event)
+    """`advancing` for a driver that is no generator itself: each event goes to `sink`. (The same loop, not a
+    generator around `advancing`: a scheduler runs it once per sequence per tick.)"""
+    try:
+        item = steps.throw(reply) if isinstance(reply, BaseException) else steps.send(reply)
+        while not isinstance(item, (Decode, Pause)):
+            sink(item)
+            item = steps.send(None)
+        return item
+    except StopIteration as stop:
+        return Finished(stop.value)
 
 
 def decode_now(request: Decode) -> list[int] | DecodeError:

@@ -33,6 +33,7 @@ from backends.sampling import GenParams
 from backends.strategies.sps import SpsConfig
 from conftest import TINY_VOCAB_WORDS
 from dflash_factory import DFlashPair, dflash_vocab, write_dflash_pair
+from auto_helpers import unchecked
 from engine_helpers import assert_strategy_greedy, run_to_done
 from models.errors import ModelError
 from stats_helpers import assert_drafts_keep_the_law
@@ -80,8 +81,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> DFlashFiles:
 
 
 def _engine(pair: Pair, draft: bool = True, **kw) -> Engine:
-    return Engine(EngineConfig(target=pair.target, draft=pair.draft if draft else None, n_ctx=512, threads=1,
-                               n_seq_max=16, cost_cache=Path(""), memory=False, **kw))
+    """An engine on the pair whose `auto` drafts where its costs say so, unchecked by its ticks' timing on these
+    tiny models (auto_helpers.unchecked)."""
+    return unchecked(Engine(EngineConfig(target=pair.target, draft=pair.draft if draft else None, n_ctx=512,
+                                         threads=1, n_seq_max=16, cost_cache=Path(""), memory=False, **kw)))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 import backends.strategies.chain as chain_module
 import backends.strategies.tree as tree_module
-from auto_helpers import flat
+from auto_helpers import flat, unchecked
 from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import DeviceCost
 from backends.engine import Engine, EngineConfig
@@ -51,6 +51,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
                                      cost_cache=Path(""), memory=False))
         engine._cost = DeviceCost(flat(), 0.05)
         engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+        unchecked(engine)  # its decisions by the synthetic costs alone
         assert engine.drafter == label and engine.draft.label == label
         out[label] = engine
     yield out

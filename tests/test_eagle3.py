@@ -29,6 +29,7 @@ from backends.sampling import GenParams, probabilities
 from backends.strategies.sps import SpsConfig
 from conftest import TINY_VOCAB_WORDS
 from eagle3_factory import Eagle3Pair, write_eagle3_pair
+from auto_helpers import unchecked
 from engine_helpers import assert_strategy_greedy, run_to_done
 from gguf_factory import spm_vocab
 from models.errors import ModelError
@@ -78,8 +79,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Eagle3Files:
 
 
 def _engine(pair: Pair, draft: bool = True, **kw) -> Engine:
-    return Engine(EngineConfig(target=pair.target, draft=pair.draft if draft else None, n_ctx=512, threads=1,
-                               n_seq_max=16, cost_cache=Path(""), memory=False, **kw))
+    """An engine on the pair whose `auto` drafts where its costs say so, unchecked by its ticks' timing on these
+    tiny models (auto_helpers.unchecked)."""
+    return unchecked(Engine(EngineConfig(target=pair.target, draft=pair.draft if draft else None, n_ctx=512,
+                                         threads=1, n_seq_max=16, cost_cache=Path(""), memory=False, **kw)))
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,19 @@ import pytest
 from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
-from backends.events import StepEnd
+from backends.events import Prefilled, StepEnd
 from backends.kv import common_prefix
 from backends.realised import Realised
 from backends.sampling import GenParams
+from backends.scheduler import Scheduler, run_alone
+from backends.steps import PAUSE
 from backends.strategies.auto import AutoDecoding
 from backends.strategies.auto.choose import HELD_BACK
 from backends.strategies.auto.decide import DRAFT, SETTLE_STEPS
 from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import AutoState
 from backends.strategies.lookup import NgramIndex
-from auto_helpers import pool_run, prefilled, run_now, synthetic_engine
+from auto_helpers import Unchecked, pool_run, prefilled, run_now, synthetic_engine
 from test_lossless import _copying_prompt
 from test_realised import _ticks
 
@@ -161,7 +163,9 @@ def test_ticks_whose_rows_auto_decided_count_with_speculation_even_when_it_chose
     try:
         engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
         prompts = [_copying_prompt(engine), engine.tokenize("once upon a time there was")]
-        pool, events = pool_run(engine, [("auto", p) for p in prompts], params, options)
+        # (a record that counts every tick and holds nothing back: what is judged here is how ticks are counted;
+        # decided ticks judged against themselves could hold the rest back, which would make them plain evidence)
+        pool, events = pool_run(engine, [("auto", p) for p in prompts], params, options, Unchecked())
         assert {e.choice for run in events for e in run if isinstance(e, StepEnd)} == {"plain"}  # type: ignore
         realised = pool.scheduler.load.realised
         assert not realised.plain, f"no plain evidence: {realised.plain}"
@@ -231,3 +235,77 @@ def test_a_slot_that_served_another_conversation_has_its_draft_take_the_new_prom
         assert common_prefix(draft.tokens, prompt) >= len(prompt) - 1
     finally:
         engine.close()
+
+
+def test_auto_alone_is_held_back_as_under_load_and_its_ticks_teach_the_engines_record(tiny) -> None:
+    """Real llama.cpp, `auto` alone (Strategy.generate, as the chat app and `specchat run` drive it), rows that
+    look free and a copying prompt. With the engine's record saying speculating ticks at one sequence delivered
+    less, every step is plain and looks nothing up, and the generation's ticks go into that record, counted as
+    plain; with a record that never holds back, the same generation verifies lookups. The text is `ar`'s."""
+    engine, options, params = _free_rows(tiny)
+    try:
+        prompt = _copying_prompt(engine)
+        want = list(engine.strategy("ar", options).generate(prompt, params))[-1].tokens  # type: ignore[attr-defined]
+
+        def alone(record: Realised) -> tuple[set[str], tuple[int, ...], int]:
+            engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
+            engine.learnt._realised = record
+            looked_up = []
+            propose = NgramIndex.propose_with_match
+            NgramIndex.propose_with_match = lambda self, *a: looked_up.append(1) or propose(self, *a)  # type: ignore
+            try:
+                events = list(engine.strategy("auto", options).generate(prompt, params))
+            finally:
+                NgramIndex.propose_with_match = propose  # type: ignore[method-assign]
+            return {e.choice for e in events if isinstance(e, StepEnd)}, events[-1].tokens, len(looked_up)
+
+        losing = Realised()
+        _ticks(losing, 20, 1, False, 1, 0.01)
+        _ticks(losing, 20, 1, True, 1, 0.02)
+        held, tokens, looked_up = alone(losing)
+        assert held == {"plain"} and looked_up == 0, (held, looked_up)
+        assert tokens == want
+        # (a tick a token, the first with the prompt's decode)
+        assert losing.tick == 40 + len(want) and losing.plain[1].last_tick > 40, "counted, as plain evidence"
+        assert losing.speculated[1].last_tick == 39
+        free, tokens, looked_up = alone(Unchecked())
+        assert "lookup" in free and looked_up > 0, free
+        assert tokens == want
+    finally:
+        engine.close()
+
+
+def test_a_machine_alone_hands_its_events_on_tick_by_tick_raises_what_it_raises_and_is_closed_when_left() -> None:
+    """run_alone on step machines that pause (no decode: pure logic): every event in order, a tick's events
+    handed on before the next tick runs, the machine's exception raised after its earlier events, and a
+    machine left halfway closed (its `finally` runs)."""
+    log: list[str] = []
+
+    def machine(n: int, fail: bool = False):
+        try:
+            for i in range(n):
+                log.append(f"step {i}")
+                yield Prefilled(i, 0.0)  # any event
+                yield PAUSE
+            if fail:
+                raise ValueError("broken")
+        finally:
+            log.append("closed")
+
+    got = []
+    for event in run_alone(machine(3), Scheduler()):
+        got.append(event.n_tokens)  # type: ignore[attr-defined]
+        log.append(f"got {event.n_tokens}")  # type: ignore[attr-defined]
+    assert got == [0, 1, 2]
+    # (a paused machine runs twice a tick, before and after the tick's decode: here none)
+    assert log[:5] == ["step 0", "step 1", "got 0", "got 1", "step 2"], "a tick's events before the next tick"
+    log.clear()
+    events = run_alone(machine(2, fail=True), Scheduler())
+    assert next(events).n_tokens == 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="broken"):
+        list(events)
+    log.clear()
+    events = run_alone(machine(5), Scheduler())
+    next(events)
+    events.close()
+    assert log[-1] == "closed" and "step 4" not in log

@@ -8,7 +8,9 @@ in turns, on the tests' tiny GGUF (a decode of a few hundred microseconds), with
 back from the first step, and prints each run's host time a step (wall time less the time in llama_decode)
 and its time in llama_decode, then the medians:
 
-    python tests/perf/held_back_host.py --tokens 1000 --repeats 8
+    python tests/perf/held_back_host.py --tokens 1000 --repeats 8 [--alone]
+
+(`--alone`: each generation alone, as the chat app and `specchat run` run one: `auto` through a scheduler of one.)
 
 (On that tiny model `auto`'s decodes also read ~10% slower than `ar`'s, identical one-row decodes of the same
 cells: caches its host work leaves cold, by the look of it; on the 4-layer SmolLM2 cut they are equal.)
@@ -50,6 +52,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1000, help="tokens a run (sampled at 0.8, end of text ignored)")
     ap.add_argument("--repeats", type=int, default=8, help="runs of each, in turns (who goes first alternates)")
+    ap.add_argument("--alone", action="store_true",
+                    help="each generation alone (Strategy.generate: `auto` through a scheduler of one, "
+                         "backends.scheduler.Alone; `ar` through run_solo), not in a slot pool")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp(prefix="held-back-")) / "target.gguf"
     write_llama_gguf(path)
@@ -65,7 +70,12 @@ def main() -> None:
             for strategy in ("ar", "auto") if rep % 2 == 0 else ("auto", "ar"):
                 engine.auto_states = {mode: AutoState(learn_timing=True) for mode in ("greedy", "sampled")}
                 d0, t0 = engine.target_lane.seconds, time.perf_counter()
-                pool_run(engine, [(strategy, prompt)], params, options, losing())
+                if args.alone:
+                    engine.learnt._realised = losing()  # what every scheduler of the engine, one alone too, reads
+                    for _ in engine.strategy(strategy, options).generate(prompt, params):
+                        pass
+                else:
+                    pool_run(engine, [(strategy, prompt)], params, options, losing())
                 wall, inside = time.perf_counter() - t0, engine.target_lane.seconds - d0
                 host[strategy].append((wall - inside) / args.tokens * 1e6)
                 decode[strategy].append(inside / args.tokens * 1e6)

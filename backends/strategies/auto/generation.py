@@ -119,7 +119,9 @@ class Generation:
         new model files), so that the next answer prices its options. Until then `auto` decodes plainly and
         tries nothing: the first answer on a new machine pays neither a calibration nor exploration."""
         if self.costs.curve is None:
+            t0 = time.perf_counter()
             self.slot.device_cost()
+            self.slot.load.realised.switching(time.perf_counter() - t0)  # not the last tick's cost
 
     def decide(self, lookup: list[int], match: int, tree: CandidateTree | None = None) -> Choice:
         """This step's option for these proposals (kept in `proposals` for the step to learn from)."""
