@@ -102,11 +102,6 @@ class LiveCurve:
         return bool(self._seed)
 
     @property
-    def rows(self) -> int:
-        """The most rows it predicts a decode of (the seed's length; 0 unseeded)."""
-        return len(self._seed)
-
-    @property
     def level(self) -> float:
         """The offset of the batch sizes decoded lately, in log seconds (0 before any reading)."""
         return self._sum_wo / self._sum_w if self._sum_w > 1e-9 else 0.0

@@ -80,16 +80,17 @@ clients arriving at once, each verifying long memory chains, ran 19 ticks
 at 0.55-0.7x plain's rate before (0.62x plain over HTTP, docs/results.md).
 Real plain ticks, once there are enough, judge the rest.
 
-Evidence of one kind can be older than the other's: while speculation is
-held back its rate is frozen, and while it runs plain ticks come only every
-PLAIN_EVERY ticks. The machine's speed moves meanwhile (another program, a
-longer context), by as much as what a small loss is judged by: alone on the
-4-layer SmolLM2 cut, `auto`'s decided ticks at 0.955x plain decoding were let
-speculate again for a hundred ticks at a time whenever a slower spell made
-the plain ticks slower than the frozen rate of the decided ones. So each
-rate keeps the pace it was seen at (the lane's predicted plain decode at
-each of its ticks, by the live curve) and is judged as it would be at the
-pace now (`_Rate.rate_at`).
+Held back, speculation's rate is frozen while plain ticks go on, and the
+machine's speed moves meanwhile (another program, a longer context) by as
+much as a small loss is judged by: alone on the 4-layer SmolLM2 cut, `auto`'s
+decided ticks at 0.955x plain decoding were let speculate again for a hundred
+ticks at a time whenever a slower spell made the plain ticks slower than the
+frozen rate (docs/results.md). So a hold-back lasts until speculation's own
+new evidence, a probe's, says it pays: the plain rate moving does not end it.
+(Judging each rate at the machine's pace now, by the live curve's plain
+decode, was tried and dropped: while speculation runs, the curve's one-row
+prediction moves with the verification batches' readings, and held the Q8_0
+draft back at 1.02x plain where it delivers 1.33x.)
 
 The rates are kept for the next process on the same files and machine
 (backends.slot.Learnt, under "realised"; `to_json`, `from_json`), tick
@@ -133,8 +134,7 @@ PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 4  # 4: the pace of each rate's ticks; 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s
-# decisions (1 counted them plain)
+FORMAT = 3  # 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
 KINDS = ("plain", "speculated", "decided")
 
 
@@ -144,12 +144,8 @@ class _Rate:
     seconds: float = 0.0
     count: float = 0.0
     last_tick: int = -(1 << 30)
-    # The machine's speed while the evidence came: the lane's predicted plain decode at each tick (its live curve),
-    # summed with the same weights as the seconds (`weight`: the weights' sum, over the ticks that had one).
-    pace: float = 0.0
-    weight: float = 0.0
 
-    def add(self, tokens: int, seconds: float, tick: int, pace: float | None = None) -> None:
+    def add(self, tokens: int, seconds: float, tick: int) -> None:
         # Stale evidence weighs less in the rate, not in the count: the count says there is evidence to judge
         # by, so a probe's tick is judged at once with what came before (had the count fallen below the
         # minimum, the ticks after each probe would speculate unchecked until it was reached again).
@@ -158,33 +154,23 @@ class _Rate:
         self.seconds = self.seconds * keep + seconds
         self.count = self.count * DECAY + 1.0
         self.last_tick = tick
-        if pace is not None:
-            self.pace, self.weight = self.pace * keep + pace, self.weight * keep + 1.0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def rate_at(self, pace: float | None) -> float:
-        """The rate as it would be at the machine's speed `pace` (a plain decode's seconds now): scaled by how much
-        slower or faster than then the machine decodes now; the rate as seen without a pace of either."""
-        if pace is None or pace <= 0 or self.weight <= 0 or self.pace <= 0:
-            return self.rate
-        return self.rate * (self.pace / self.weight) / pace
-
     def to_json(self) -> list[float]:
-        return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick,
-                float(f"{self.pace:.6g}"), float(f"{self.weight:.6g}")]
+        return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick]
 
     @classmethod
     def from_json(cls, v: object, tick: int) -> "_Rate":
         """What `to_json` wrote; ValueError for anything else (a last tick after `tick` included)."""
-        if not isinstance(v, list) or len(v) != 6 or type(v[3]) is not int or v[3] > tick:
+        if not isinstance(v, list) or len(v) != 4 or type(v[3]) is not int or v[3] > tick:
             raise ValueError("not a rate")
-        tokens, seconds, count, pace, weight = (float(x) for x in (*v[:3], *v[4:]))
-        if not all(0 <= x < math.inf for x in (tokens, seconds, count, pace, weight)) or count > 1 / (1 - DECAY):
+        tokens, seconds, count = (float(x) for x in v[:3])
+        if not all(0 <= x < math.inf for x in (tokens, seconds, count)) or count > 1 / (1 - DECAY):
             raise ValueError("not a rate")
-        return cls(tokens, seconds, count, v[3], pace, weight)
+        return cls(tokens, seconds, count, v[3])
 
 
 @dataclass
@@ -205,6 +191,8 @@ class Realised:
     # Whether a sequence chose this tick's rows (`_rows_learning`), or the next one's, with an option still learnt.
     _rows_learning: bool = field(default=False, compare=False, repr=False)
     _learning: bool = field(default=False, compare=False, repr=False)
+    # Per batch size held back: the last tick of speculating evidence when it was (`allows`).
+    _held: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def observed(self) -> bool:
@@ -250,15 +238,9 @@ class Realised:
             kinds = []
         if decided and not speculated:  # plain rows and `auto`'s work on top
             kinds.append("decided")
-        pace = self._pace(sequences)
         for kind in kinds:
-            getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, seconds, self.tick, pace)
+            getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
         return "+".join(kinds)
-
-    def _pace(self, sequences: int) -> float | None:
-        """The machine's speed now: the seconds of a plain decode at this batch size, by the lane's live curve."""
-        seconds = self.plain_seconds(sequences) if self.plain_seconds is not None else None
-        return seconds if seconds and seconds > 0 else None
 
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
@@ -274,20 +256,18 @@ class Realised:
         spec, plain, decided = (kind.get(sequences) for kind in (self.speculated, self.plain, self.decided))
         if spec is None or spec.count < MIN_GROSS:
             return None
-        pace = self._pace(sequences)  # each kind's rate as at the machine's speed now (`_Rate.rate_at`)
         bars = []  # (a plain rate, the share of it speculation must deliver)
         if plain is not None and plain.count >= MIN_PLAIN:
-            bars.append((plain.rate_at(pace), 1.0 - MARGIN))
+            bars.append((plain.rate, 1.0 - MARGIN))
         elif (predicted := self._predicted_tick(sequences)) is not None:
             bars.append((sequences / predicted, 1.0 - PREDICTED_MARGIN))
         if decided is not None and decided.count >= MIN_PLAIN:
-            bars.append((decided.rate_at(pace), 1.0))
+            bars.append((decided.rate, 1.0))
         if not bars:
             return None
-        delivered = spec.rate_at(pace)
         if spec.count < MIN_SPECULATED:  # a few ticks judge a gross loss only
-            return False if delivered < GROSS * max(rate for rate, _ in bars) else None
-        return delivered >= max(rate * share for rate, share in bars)
+            return False if spec.rate < GROSS * max(rate for rate, _ in bars) else None
+        return spec.rate >= max(rate * share for rate, share in bars)
 
     def _predicted_tick(self, sequences: int) -> float | None:
         """Seconds of a plain tick at this batch size: the live curve's decode, scaled by what plain ticks at the
@@ -300,8 +280,7 @@ class Realised:
             b = min(known, key=lambda b: (abs(b - sequences), b))
             seen = self.plain_seconds(b)
             if seen and seen > 0:
-                # (a plain tick commits one token a sequence; its time as at the machine's speed now)
-                return decode * max(1.0, b / self.plain[b].rate_at(seen) / seen)
+                return decode * max(1.0, b / self.plain[b].rate / seen)  # a plain tick commits one token a sequence
         return decode
 
     def plain_due(self, sequences: int) -> bool:
@@ -313,12 +292,16 @@ class Realised:
 
     def allows(self, sequences: int) -> bool:
         """Whether a sequence may speculate in this tick at this batch size: not when a plain tick is due, and
-        not where speculation was found not to pay, unless its evidence is stale and this tick probes it."""
+        not where speculation was found not to pay, unless its evidence is stale and this tick probes it. Held
+        back, it stays held back until speculation's own new evidence (a probe's) says otherwise: plain ticks
+        alone do not let it run again."""
         if self.plain_due(sequences):
             return False
-        if self.pays(sequences) is not False:
+        spec = self.speculated.get(sequences)
+        if self.pays(sequences) is False:
+            self._held[sequences] = spec.last_tick  # type: ignore[union-attr]
+        elif spec is None or self._held.get(sequences) != spec.last_tick:
             return True
-        spec = self.speculated[sequences]
         return self.tick - spec.last_tick > STALE and self.tick % STALE == STALE // 2
 
     # -- kept between processes (backends.slot.Learnt) ---------------------------------------------------------------

@@ -49,11 +49,9 @@ if TYPE_CHECKING:
 
 
 def _decode_seconds(lane: Lane, rows: int) -> float | None:
-    """Seconds of a decode of `rows` rows on `lane`, by its live curve; None beyond it or before it is seeded.
-    (Its own size's prediction, not the curve made monotone, which is rebuilt after every reading: this is read
-    every tick, backends.realised's pace.)"""
-    live = lane.live
-    return live.seconds(rows) if 1 <= rows <= live.rows else None
+    """Seconds of a decode of `rows` rows on `lane`, by its live curve; None beyond it or before it is seeded."""
+    curve = lane.live.curve()
+    return curve.seconds[rows - 1] if curve is not None and 1 <= rows <= len(curve.seconds) else None
 
 
 class _Active:

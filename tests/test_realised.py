@@ -27,28 +27,26 @@ def _ticks(realised: Realised, n: int, sequences: int, speculated: bool, tokens:
         realised.next_tick()
 
 
-def test_rates_seen_at_another_pace_are_judged_at_the_pace_now() -> None:
-    """Speculating ticks 5% slower than plain ones at the same pace are held back; once held back, the machine
-    slows by 10% (the live curve's plain decode goes from 2.0 to 2.2 ms) and the plain ticks with it: judged as
-    seen, the frozen speculating rate beats them and speculation would run again; judged at the pace now, it is
-    still 5% under plain. Where the machine speeds up again, both are judged at that pace: still held back."""
-    pace = [0.002]
-    r = Realised(plain_seconds=lambda rows: pace[0])
+def test_a_hold_back_lasts_until_speculations_own_new_evidence_not_while_plain_ticks_slow_down() -> None:
+    """Speculating ticks 5% slower than plain ones are held back. The machine then slows by 10%, and the plain
+    ticks with it: judged as seen, the frozen speculating rate now beats them (`pays`), yet speculation stays held
+    back but for its probes, until a probe brings new evidence of its own, which judges it again."""
+    r = Realised()
     _ticks(r, 20, 1, False, 1, 0.002)  # 500 tok/s plain
     _ticks(r, 20, 1, True, 1, 0.0021)  # 476 tok/s speculating
-    assert r.pays(1) is False
-    pace[0] = 0.0022
+    assert not r.allows(1)
     _ticks(r, 30, 1, False, 1, 0.0022)  # held back: plain ticks only, 455 tok/s on the slower machine
-    assert r.plain[1].rate < r.speculated[1].rate, "as seen, speculation now looks the faster"
-    assert r.pays(1) is False, "at the pace now, it is not"
-    assert r.speculated[1].rate_at(0.0022) == pytest.approx(1 / 0.0021 * 0.002 / 0.0022)
-    pace[0] = 0.0019
-    assert r.pays(1) is False
-    blind = Realised()  # no live curve: the rates as seen
-    _ticks(blind, 20, 1, False, 1, 0.002)
-    _ticks(blind, 20, 1, True, 1, 0.0021)
-    _ticks(blind, 30, 1, False, 1, 0.0022)
-    assert blind.pays(1) is True, "without the pace, the slower spell lets speculation run again"
+    assert r.pays(1) is True, "as seen, speculation now looks the faster"
+    allowed = []
+    for _ in range(2 * STALE):
+        if r.allows(1):
+            allowed.append(r.tick)
+        _ticks(r, 1, 1, False, 1, 0.0022)
+    assert allowed and all(t % STALE == STALE // 2 for t in allowed), f"only its probes: {allowed}"
+    _ticks(r, 1, 1, True, 1, 0.0026)  # a probe's tick, well under plain's (the frozen evidence weighs a quarter)
+    assert r.pays(1) is False and not r.allows(1), "judged again: still slower"
+    _ticks(r, 1, 1, True, 3, 0.0023)  # a later probe finds it paying
+    assert r.pays(1) is True and r.allows(1), "released by its own evidence"
 
 
 def test_speculation_is_held_back_where_its_ticks_deliver_less_than_plain_ones() -> None:
@@ -341,13 +339,11 @@ def test_a_stale_or_malformed_record_is_ignored() -> None:
     entry = _losing_at_2().to_json()
     now = entry["saved_at"]
     bad = [
-        None, [], {}, {**entry, "format": 3}, {**entry, "format": 5}, {**entry, "tick": -1}, {**entry, "tick": 1.5},
-        {**entry, "plain": []}, {**entry, "plain": {"0": [1, 1, 1, 0, 0, 0]}}, {**entry, "plain": {"x": [1, 1, 1, 0, 0, 0]}},
-        {**entry, "plain": {"2": [1, 1, 1, 0]}}, {**entry, "plain": {"2": [1, -1, 1, 0, 0, 0]}},
-        {**entry, "plain": {"2": [1, 1, 1, 0, -1, 1]}}, {**entry, "plain": {"2": [1, 1, 1, 0, 1, float("inf")]}},
-        {**entry, "plain": {"2": [1, float("nan"), 1, 0, 0, 0]}},
-        {**entry, "plain": {"2": [1, 1, 1, entry["tick"] + 1, 0, 0]}},
-        {**entry, "plain": {"2": [1, 1, 1e9, 0, 0, 0]}}, {k: v for k, v in entry.items() if k != "speculated"},
+        None, [], {}, {**entry, "format": 2}, {**entry, "format": 4}, {**entry, "tick": -1}, {**entry, "tick": 1.5}, {**entry, "plain": []},
+        {**entry, "plain": {"0": [1, 1, 1, 0]}}, {**entry, "plain": {"x": [1, 1, 1, 0]}},
+        {**entry, "plain": {"2": [1, 1, 1]}}, {**entry, "plain": {"2": [1, -1, 1, 0]}},
+        {**entry, "plain": {"2": [1, float("nan"), 1, 0]}}, {**entry, "plain": {"2": [1, 1, 1, entry["tick"] + 1]}},
+        {**entry, "plain": {"2": [1, 1, 1e9, 0]}}, {k: v for k, v in entry.items() if k != "speculated"},
         {k: v for k, v in entry.items() if k != "decided"},
         {**entry, "saved_at": None},
     ]
