@@ -39,10 +39,16 @@ class Unchecked(Realised):
         return True
 
 
-def unchecked(engine: Engine) -> Engine:
-    """`engine` with its realised record (every scheduler's, a generation's alone included) never holding back."""
-    engine.learnt._realised = Unchecked()
+def recorded(engine: Engine, record: Realised) -> Engine:
+    """`engine` with `record` as its realised record: every scheduler's on it, a generation's alone included
+    (backends.slot.Learnt.realised_for hands it out)."""
+    engine.learnt._realised = record
     return engine
+
+
+def unchecked(engine: Engine) -> Engine:
+    """`engine` with its realised record never holding back."""
+    return recorded(engine, Unchecked())
 
 
 def synthetic_engine(tiny_files, draft: Path | None, cost: DeviceCost | None, n_seq: int = 8) -> Engine:

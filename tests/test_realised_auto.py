@@ -23,7 +23,7 @@ from backends.strategies.auto.decide import DRAFT, SETTLE_STEPS
 from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import AutoState
 from backends.strategies.lookup import NgramIndex
-from auto_helpers import Unchecked, pool_run, prefilled, run_now, synthetic_engine
+from auto_helpers import Unchecked, pool_run, prefilled, recorded, run_now, synthetic_engine
 from test_lossless import _copying_prompt
 from test_realised import _ticks
 
@@ -249,7 +249,7 @@ def test_auto_alone_is_held_back_as_under_load_and_its_ticks_teach_the_engines_r
 
         def alone(record: Realised) -> tuple[set[str], tuple[int, ...], int]:
             engine.auto_states = {mode: AutoState(learn_timing=False) for mode in ("greedy", "sampled")}
-            engine.learnt._realised = record
+            recorded(engine, record)
             looked_up = []
             propose = NgramIndex.propose_with_match
             NgramIndex.propose_with_match = lambda self, *a: looked_up.append(1) or propose(self, *a)  # type: ignore

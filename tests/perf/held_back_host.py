@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
 
-from auto_helpers import pool_run  # noqa: E402
+from auto_helpers import pool_run, recorded  # noqa: E402
 from gguf_factory import write_llama_gguf  # noqa: E402
 from test_lossless import _copying_prompt  # noqa: E402
 from test_realised import _ticks  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> None:
                 engine.auto_states = {mode: AutoState(learn_timing=True) for mode in ("greedy", "sampled")}
                 d0, t0 = engine.target_lane.seconds, time.perf_counter()
                 if args.alone:
-                    engine.learnt._realised = losing()  # what every scheduler of the engine, one alone too, reads
+                    recorded(engine, losing())  # what every scheduler of the engine, one alone too, reads
                     for _ in engine.strategy(strategy, options).generate(prompt, params):
                         pass
                 else:
