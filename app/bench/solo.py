@@ -30,6 +30,7 @@ from backends.engine import Engine
 from backends.events import Done, until_done
 from backends.grammar import Grammar, compile_grammar
 from backends.pricing import best_chain_speedup, predicted_speedup
+from backends.registry import REGISTRY
 from backends.sampling import GenParams
 
 CHAIN_STRATEGIES = ("sps", "lookup")
@@ -201,9 +202,11 @@ def run_bench(
                             partings[key] = Parting(at) if run_params.grammar and run_params.reasoning else \
                                 parting(engine, tokens, base.tokens, at, run_params.grammar)
                         where = partings[key]
+                        reorders = REGISTRY[res.config.strategy].n_seq(res.config.options) > 1
                         res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at,
                                                       "gap": where.gap, "noise": where.noise,
-                                                      "near_tie": where.near_tie})
+                                                      "order_noise": where.order if reorders else None,
+                                                      "near_tie": where.near_tie_for(reorders)})
                 ratio = done.stats.tokens_per_second / base_speed if base_speed else 0.0
                 res.ratios.append(ratio)
                 res.ratios_by_category.setdefault(prompt.category, []).append(ratio)
@@ -233,6 +236,8 @@ def mismatch_lines(rows: list[dict[str, object]]) -> list[str]:
     def place(m: dict) -> str:
         measured = f", where ar's choice wins by {m['gap']:.4f} against a batch noise of {m['noise']:.4f}" \
             if m.get("gap") is not None and m.get("noise") is not None else ""
+        if measured and m.get("order_noise") is not None:
+            measured += f" and a KV-cell order noise of {m['order_noise']:.4f}"
         return f"{m['category']} (repeat {m['repeat']}) from token {m['token']}{measured}"
 
     lines = []
@@ -244,7 +249,7 @@ def mismatch_lines(rows: list[dict[str, object]]) -> list[str]:
             lines.append(f"{r['label']}: greedy output differs from ar's on " + "; ".join(map(place, changed)))
         if ties:
             lines.append(f"{r['label']}: parts from ar's greedy output at near-ties that llama.cpp's batch "
-                         f"arithmetic may flip (the target's greedy output either way) on "
+                         f"arithmetic or its KV cells' order may flip (the target's greedy output either way) on "
                          + "; ".join(map(place, ties)))
     return lines
 
