@@ -27,9 +27,9 @@ at once (a tree, lookahead's n-grams, `auto`'s memory trees: a registry
 entry with more than one sequence) frees its rejected branches' cells among
 the kept ones, so the next tokens' cells come before cells of earlier
 positions. On an F32 model that moves a logit by about what a batch does
-(0.005-0.008 on the demo targets), but a quantized model's activations are
+(0.005-0.024 on the demo targets), but a quantized model's activations are
 rounded to 8 bits before each product, and a last-bit difference that
-crosses a rounding step grows from layer to layer: 0.4-1.3 on the Q8_0,
+crosses a rounding step grows from layer to layer: 0.4-1.7 on the Q8_0,
 Q2_K and Q3_K_M/Q4_K_M files of the demo models (docs/results.md, "The KV
 cells' order"), where `ar`'s cells, decoded in turn, stay in order. So a
 parting is also measured against that (`order_noise`: the same answer
