@@ -102,3 +102,15 @@ def test_the_builder_grows_a_tree_from_the_first_of_equal_siblings() -> None:
     assert b.add_path([4, 6]) == [0, 3], "the first 4, which has no 6 below it yet"
     assert b.build() == TokenTree((4, 4, 6, 6), (-1, -1, 1, 0), (0.5, 0.5, 0.5, 0.0))
     assert b.add(7, 3, -0.25) == 4 and b.depths[4] == 3
+
+
+def test_depth_first_puts_the_likeliest_path_first_and_parents_before_children() -> None:
+    """The order a verification batch lists the nodes in (backends.strategies.branches.verify_tree): depth first,
+    each node's likeliest child first, so that the cells of an accepted likeliest path come next to each other."""
+    tree = sample()
+    assert tree.depth_first == (0, 2, 4, 3, 1, 5)
+    assert list(tree.depth_first[:3]) == tree.likeliest_path(5)
+    equal = TokenTree((10, 11, 12, 13), (-1, -1, 1, 1), (0.3, 0.3, 0.2, 0.2))
+    assert equal.depth_first == (0, 1, 2, 3), "the first of equals"
+    assert TokenTree((10, 11, 12), (-1, -1, 1), (0.1, 0.9, 0.5)).depth_first == (1, 2, 0)
+    assert EMPTY.depth_first == ()

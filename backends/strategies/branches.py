@@ -68,10 +68,17 @@ def verify_tree(run: Run, target: KvSequence, tree: TokenTree, source: Source, c
         for i in tree.lineage(leaf):
             paths[i].add(leaf_no)
     target.share_with(len(leaves) + 1)
+    # The batch depth first, the likeliest path first: llama.cpp gives a new token the lowest free cell and sums
+    # attention in the cells' order, so a rejected node's cell freed among the kept ones puts the next tokens'
+    # cells ahead of earlier positions', which moves a quantized model's logits (docs/results.md, "The KV cells'
+    # order"). In this order, a step that accepts along the likeliest path leaves its rejected cells after the kept.
+    order = tree.depth_first
     entries = [(run.pending, n_past, range(len(leaves) + 1), True)]
-    entries += [(t, n_past + depth[i], sorted(paths[i]), True) for i, t in enumerate(tokens)]
+    entries += [(tokens[i], n_past + depth[i], sorted(paths[i]), True) for i in order]
     all_rows = yield from target.decoding(entries)
-    rows = all_rows[1:]
+    rows = [0] * len(tokens)  # node i's batch row
+    for k, i in enumerate(order):
+        rows[i] = all_rows[1 + k]
     cur, row, n_matched, n_accepted = -1, all_rows[0], 0, 0
     path: list[int] = []
     while True:
