@@ -41,7 +41,7 @@ and its partings are judged by the batch noise alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -135,25 +135,30 @@ def _out_of_order_rows(engine: Engine, prompt: list[int], tokens: Sequence[int])
         seq.reset()
 
 
-def plain_pass_noise(engine: Engine, prompt: list[int], tokens: Sequence[int]) -> tuple[float, int]:
-    """The answer decoded one row at a time (as `ar` does) against the same rows in one batch: the largest
-    difference of any logit, and at how many positions the two passes' argmax differ. The first slot's caches
-    are emptied."""
-    alone = _alone_rows(engine, prompt, tokens)
+def _largest_difference(alone: list[np.ndarray], other: Iterable[np.ndarray]) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(alone, other))
+
+
+def plain_pass_noise(engine: Engine, prompt: list[int], tokens: Sequence[int],
+                     alone: list[np.ndarray] | None = None) -> tuple[float, int]:
+    """The answer decoded one row at a time (as `ar` does; `alone`, where already decoded) against the same rows
+    in one batch: the largest difference of any logit, and at how many positions the two passes' argmax differ.
+    The first slot's caches are emptied."""
+    alone = _alone_rows(engine, prompt, tokens) if alone is None else alone
     batched = list(_batched_rows(engine, prompt, tokens))
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(alone, batched))
     flips = sum(int(a.argmax() != b.argmax()) for a, b in zip(alone, batched))
-    return diff, flips
+    return _largest_difference(alone, batched), flips
 
 
-def order_noise(engine: Engine, prompt: list[int], tokens: Sequence[int]) -> float | None:
-    """The answer decoded one row at a time against the same rows with their KV cells out of order (see the
-    module): the largest difference of any logit; None where the first slot has one sequence id only (its cells
-    cannot be out of order). The first slot's caches are emptied."""
+def order_noise(engine: Engine, prompt: list[int], tokens: Sequence[int],
+                alone: list[np.ndarray] | None = None) -> float | None:
+    """The answer decoded one row at a time (`alone`, where already decoded) against the same rows with their KV
+    cells out of order (see the module): the largest difference of any logit; None where the first slot has one
+    sequence id only (its cells cannot be out of order). The first slot's caches are emptied."""
     if engine.target.n_ids < 2:
         return None
-    alone = _alone_rows(engine, prompt, tokens)
-    return max(float(np.abs(a - b).max()) for a, b in zip(alone, _out_of_order_rows(engine, prompt, tokens)))
+    alone = _alone_rows(engine, prompt, tokens) if alone is None else alone
+    return _largest_difference(alone, _out_of_order_rows(engine, prompt, tokens))
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -211,5 +216,6 @@ def parting(engine: Engine, prompt: list[int], want: Sequence[int], at: int,
     """Another output's parting from `want` (`ar`'s greedy answer to `prompt`, under `grammar` if it had one) at
     output token `at` (first_difference), measured."""
     answered = list(want[:at + 1])
-    noise = plain_pass_noise(engine, prompt, answered)[0]
-    return Parting(at, choice_gap(engine, prompt, want, at, grammar), noise, order_noise(engine, prompt, answered))
+    alone = _alone_rows(engine, prompt, answered)  # the one-row pass both noises are read against
+    return Parting(at, choice_gap(engine, prompt, want, at, grammar),
+                   plain_pass_noise(engine, prompt, answered, alone)[0], order_noise(engine, prompt, answered, alone))

@@ -30,7 +30,7 @@ from backends.engine import Engine
 from backends.events import Done, until_done
 from backends.grammar import Grammar, compile_grammar
 from backends.pricing import best_chain_speedup, predicted_speedup
-from backends.registry import REGISTRY
+from backends.registry import spec
 from backends.sampling import GenParams
 
 CHAIN_STRATEGIES = ("sps", "lookup")
@@ -202,7 +202,7 @@ def run_bench(
                             partings[key] = Parting(at) if run_params.grammar and run_params.reasoning else \
                                 parting(engine, tokens, base.tokens, at, run_params.grammar)
                         where = partings[key]
-                        reorders = REGISTRY[res.config.strategy].n_seq(res.config.options) > 1
+                        reorders = spec(res.config.strategy).n_seq(res.config.options) > 1
                         res.greedy_mismatches.append({"category": prompt.category, "repeat": rep + 1, "token": at,
                                                       "gap": where.gap, "noise": where.noise,
                                                       "order_noise": where.order if reorders else None,
