@@ -26,7 +26,15 @@ comes, so that once speculation is held back, a probe tick now and then
 (where sequences decide as they would) is judged with it at once: a probe
 that finds speculation paying lets it run again (within a few probes after a
 busy spell ends), one that does not keeps it held back, and no ticks
-speculate unchecked in between.
+speculate unchecked in between. A probe is paid for: where speculation does
+not pay, it delivers less than the plain ticks it stands for, and one that
+verifies a large tree on a steep curve costs several of them (on the tests'
+tiny model, with every row priced as free, a 13-row probe took twelve plain
+ticks' time, and probes every STALE ticks 7% of the time in llama_decode:
+docs/results.md). So probes are spaced further
+apart than STALE where the last one's time beyond what it delivered,
+counted in plain ticks, would make them more than PROBE_SHARE of the time:
+the same bound as `auto`'s exploration (AutoConfig.explore_budget).
 Ticks that decode a prompt chunk are not counted: they are neither. Nor
 is the draft catching up on tokens it missed where that is a one-off
 switch (`switching`): the prompt it takes alone after the first token, and
@@ -125,6 +133,8 @@ DECAY = 0.95
 # Evidence older than STALE ticks weighs STALE_WEIGHT in the rate when new evidence of its kind comes.
 STALE = 64
 STALE_WEIGHT = 0.25
+# Held back, probes take at most about this share of the time beyond the plain ticks they stand for (`_probe`).
+PROBE_SHARE = 0.01
 # Where speculation has evidence and plain ticks have none this recent, two ticks in every PLAIN_EVERY are plain.
 PLAIN_EVERY = 32
 # Without enough plain ticks at a batch size, speculation is held back where it delivers less than this share
@@ -193,6 +203,8 @@ class Realised:
     _learning: bool = field(default=False, compare=False, repr=False)
     # Per batch size held back: the last tick of speculating evidence when it was (`allows`).
     _held: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    # Per batch size: the tokens, seconds and tick of its last speculating tick, counted or not (held back: a probe).
+    _last_speculated: dict[int, tuple[int, float, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def observed(self) -> bool:
@@ -225,10 +237,12 @@ class Realised:
         evidence where nobody speculated but someone decided. Returns what it was counted as (the kinds, joined
         by "+"; "learning" or "" where it was not: backends.tick_log)."""
         seconds -= self._switching
+        if seconds <= 0:
+            return "learning" if self._rows_learning else ""
+        if speculated or self._rows_decided:  # what a probe costs, counted or not (an option still learnt)
+            self._last_speculated[sequences] = (tokens, seconds, self.tick)
         if self._rows_learning:
             return "learning"
-        if seconds <= 0:
-            return ""
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
             kinds = ["speculated"]
@@ -295,14 +309,37 @@ class Realised:
         not where speculation was found not to pay, unless its evidence is stale and this tick probes it. Held
         back, it stays held back until speculation's own new evidence (a probe's) says otherwise: plain ticks
         alone do not let it run again."""
+        spec = self.speculated.get(sequences)
+        if spec is not None and self._held.get(sequences) == spec.last_tick:  # held back: only a probe may speculate
+            # (Only a probe's evidence can change that, so the rates are not judged again at each held-back tick:
+            # where speculation does not pay that is nearly every tick, and on a fast device a share of the step.)
+            return self._probe(sequences, spec) and not self.plain_due(sequences)
         if self.plain_due(sequences):
             return False
-        spec = self.speculated.get(sequences)
         if self.pays(sequences) is False:
             self._held[sequences] = spec.last_tick  # type: ignore[union-attr]
-        elif spec is None or self._held.get(sequences) != spec.last_tick:
-            return True
-        return self.tick - spec.last_tick > STALE and self.tick % STALE == STALE // 2
+            return self._probe(sequences, spec)  # type: ignore[arg-type]
+        return True
+
+    def _probe(self, sequences: int, spec: _Rate) -> bool:
+        """Whether this tick probes speculation held back at this batch size: one tick in STALE may (the same
+        ticks for every sequence), once its evidence is older than STALE ticks, and the last probe (counted or
+        not: an option still being learnt) older than `probe_interval`."""
+        if self.tick % STALE != STALE // 2 or self.tick - spec.last_tick <= STALE:
+            return False
+        last = self._last_speculated.get(sequences)
+        return last is None or self.tick - last[2] > self.probe_interval(sequences)
+
+    def probe_interval(self, sequences: int) -> float:
+        """Ticks between probes at this batch size, so that they cost at most PROBE_SHARE of the time: the last
+        speculating tick's time beyond the plain ticks its tokens stand for, in plain ticks, over PROBE_SHARE;
+        STALE where that is less, or where there is no plain rate to count by."""
+        last, plain = self._last_speculated.get(sequences), self.plain.get(sequences)
+        if last is None or plain is None or plain.rate <= 0:
+            return float(STALE)
+        tokens, seconds, _ = last
+        plain_tick = sequences / plain.rate  # a plain tick commits a token a sequence
+        return max(float(STALE), (seconds / plain_tick - tokens / sequences) / PROBE_SHARE)
 
     # -- kept between processes (backends.slot.Learnt) ---------------------------------------------------------------
 

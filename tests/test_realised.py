@@ -12,7 +12,8 @@ from typing import Callable
 import pytest
 
 from backends.engine import Engine, EngineConfig
-from backends.realised import KEPT_FOR, MIN_GROSS, MIN_PLAIN, MIN_SPECULATED, PLAIN_EVERY, STALE, Realised
+from backends.realised import (KEPT_FOR, MIN_GROSS, MIN_PLAIN, MIN_SPECULATED, PLAIN_EVERY, PROBE_SHARE, STALE,
+                               Realised)
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
 from backends.slot import Learnt
@@ -159,6 +160,38 @@ def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() 
     assert r.pays(1) is True and r.allows(1)
     _ticks(r, int(MIN_SPECULATED) + 2, 1, True, 4, 0.02)
     assert r.pays(1) is True
+
+
+def test_held_back_probes_are_spaced_by_what_they_cost() -> None:
+    """A probe that costs many plain ticks (a large tree on a steep curve) is made seldom enough that probes take
+    about PROBE_SHARE of the time beyond what they deliver, counted or not (an option still being learnt chose its
+rows); one that costs about a plain tick, as often as before."""
+    for probe_seconds, learnt in ((0.2, False), (0.2, True), (0.021, False)):  # ten plain ticks' time for one token
+        r = Realised()
+        _ticks(r, 30, 1, False, 1, 0.02)
+        _ticks(r, 30, 1, True, 1, probe_seconds)  # speculation loses
+        assert r.pays(1) is False and not r.allows(1)
+        probes, spent, ticks, probing = 0, 0.0, 40 * STALE, False
+        for _ in range(ticks):
+            if probing:  # the rows a probe chose in the tick before (by an option still being learnt: not counted)
+                probes += 1
+                spent += probe_seconds - 0.02  # beyond the plain tick it stands for
+                assert r.add(1, True, 1, probe_seconds) == ("learning" if learnt else "speculated")
+            else:
+                r.add(1, False, 1, 0.02)
+            probing = r.allows(1)
+            if probing:
+                r.deciding()
+                if learnt:
+                    r.learning()
+            r.next_tick()
+        if probe_seconds > 0.1:
+            assert r.probe_interval(1) == pytest.approx(0.18 / 0.02 / PROBE_SHARE)
+            assert 0 < spent / (ticks * 0.02) <= 1.5 * PROBE_SHARE, (learnt, probes, spent)
+        else:
+            assert r.probe_interval(1) == STALE
+            # (older than STALE ticks at one of every STALE ticks: every second one)
+            assert probes >= 40 // 2 - 1, f"a cheap probe every {2 * STALE} ticks: {probes}"
 
 
 def _drive(r: Realised, ticks: int, sequences: int, tick: Callable[[str], tuple[int, float]]) -> list[str]:
