@@ -60,6 +60,12 @@ no margin: below a lower bound of plain decoding, it loses. At 8 clients
 over HTTP with one thread, lookup chains at 0.8 delivered 0.965x plain
 decoding while plain ticks came only every PLAIN_EVERY ticks; their decided
 ticks, 95 of them against 20 plain, ran at 0.995x plain (docs/results.md).
+A bound holds for the machine it was measured on, so decided ticks bar
+speculation only where their evidence is about as recent as its own (within
+STALE ticks): the chat app's record of one session read decided ticks at
+49 tok/s from a quiet spell, then, under another program's load, plain ticks
+at 21.5 and a probe's speculating ticks at 40, and held speculation back
+at 1.9x the plain rate, tick after tick (docs/results.md).
 
 Plain evidence is what plain decoding would deliver, not what `auto`
 delivers when it looks for proposals and then decodes plainly: a sequence
@@ -264,9 +270,9 @@ class Realised:
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
-        this batch size lately, and at least the decided ticks' (a lower bound of plain's); with too few plain
-        ticks, at least (1 - PREDICTED_MARGIN) x the rate the live curve predicts for them; None without
-        enough evidence (a gross loss needs less of it)."""
+        this batch size lately, and at least the decided ticks' (a lower bound of plain's) where those are about
+        as recent as theirs; with too few plain ticks, at least (1 - PREDICTED_MARGIN) x the rate the live curve
+        predicts for them; None without enough evidence (a gross loss needs less of it)."""
         spec, plain, decided = (kind.get(sequences) for kind in (self.speculated, self.plain, self.decided))
         if spec is None or spec.count < MIN_GROSS:
             return None
@@ -275,8 +281,8 @@ class Realised:
             bars.append((plain.rate, 1.0 - MARGIN))
         elif (predicted := self._predicted_tick(sequences)) is not None:
             bars.append((sequences / predicted, 1.0 - PREDICTED_MARGIN))
-        if decided is not None and decided.count >= MIN_PLAIN:
-            bars.append((decided.rate, 1.0))
+        if decided is not None and decided.count >= MIN_PLAIN and spec.last_tick - decided.last_tick <= STALE:
+            bars.append((decided.rate, 1.0))  # a lower bound of plain's rate, measured about when speculation's was
         if not bars:
             return None
         if spec.count < MIN_SPECULATED:  # a few ticks judge a gross loss only

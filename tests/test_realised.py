@@ -50,6 +50,29 @@ def test_a_hold_back_lasts_until_speculations_own_new_evidence_not_while_plain_t
     assert r.pays(1) is True and r.allows(1), "released by its own evidence"
 
 
+def test_decided_ticks_of_another_spell_do_not_bar_speculation() -> None:
+    """Decided ticks bound plain decoding's rate from below on the machine they ran on. Here they ran in a quiet
+    spell at 50 tok/s, speculation (47.6) was held back against them; then another program slows everything:
+    plain ticks at 20 tok/s, and a probe's speculating ticks at 40, twice that. Judged against the old decided
+    rate, speculation would stay held back at 2x plain (as a chat session's record did); it runs again."""
+    r = Realised()
+    _ticks(r, 20, 1, False, 1, 0.019)  # quiet: plain
+    for _ in range(20):  # quiet: ticks whose plain rows auto decided (lookups and pricing on top)
+        r.deciding()
+        r.add(1, False, 1, 0.02)
+        r.next_tick()
+    _ticks(r, 10, 1, True, 1, 0.021)  # speculating, 47.6 tok/s: under the decided ticks' 50
+    assert r.pays(1) is False and not r.allows(1)
+    _ticks(r, 3 * STALE, 1, False, 1, 0.05)  # held back, the machine slowed: plain at 20 tok/s
+    for _ in range(4 * STALE):  # plain ticks until a probe
+        if r.allows(1):
+            break
+        _ticks(r, 1, 1, False, 1, 0.05)
+    assert r.allows(1) and r.tick % STALE == STALE // 2, "a probe"
+    _ticks(r, 1, 1, True, 2, 0.05)  # the probe's rows: 40 tok/s
+    assert r.pays(1) is True and r.allows(1), "judged against the plain rate of now, not the quiet spell's decided"
+
+
 def test_speculation_is_held_back_where_its_ticks_deliver_less_than_plain_ones() -> None:
     r = Realised()
     assert r.pays(2) is None and r.allows(2), "no evidence: the cost model decides"
