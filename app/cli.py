@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate a completion headlessly")
     run.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
+    run.add_argument("-p", "--prompt", dest="prompt_flag", metavar="PROMPT",
+                     help="the prompt as llama.cpp's programs take it (instead of the argument)")
     run.add_argument("-m", "--model", required=True, help=MODEL_HELP)
     run.add_argument("-md", "--model-draft", default=None, help=DRAFT_HELP)
     _add_strategy_flag(run)
@@ -262,7 +264,11 @@ def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{k}: {v.help}" for k, v in REGISTRY.items()) + f" (default: {DEFAULT_STRATEGY})")
 
 
-def _read_prompt(arg: str | None) -> str:
+def _read_prompt(arg: str | None, flag: str | None = None) -> str:
+    if flag is not None:
+        if arg is not None:
+            raise UserError("the prompt is given twice (as an argument and with -p): give it once")
+        arg = flag
     if arg == "-":
         data = sys.stdin.buffer.read()
         try:
@@ -304,7 +310,7 @@ def settings_from_args(args: argparse.Namespace, only: tuple[str, ...] = ("",)) 
 
 
 def generate(args: argparse.Namespace) -> int:
-    prompt_text = _read_prompt(args.prompt)
+    prompt_text = _read_prompt(args.prompt, getattr(args, "prompt_flag", None))
     settings = settings_from_args(args)
     params, options = settings.params, settings.options
     if not settings.mtp:  # without the target's own head, whether there is a drafter is known before loading

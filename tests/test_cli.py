@@ -54,6 +54,16 @@ def test_prompt_from_stdin_matches_argument(tiny) -> None:
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
 
 
+def test_prompt_with_llama_cpps_flag_matches_argument(tiny) -> None:
+    """`-p PROMPT`, as llama-cli takes it, is the argument; both at once is one clear error line."""
+    common = ("-m", str(tiny.target), "-s", "ar", "-n", "16", "--no-color", "--temp", "0")
+    a = _cli("run", "the dog ran", *common)
+    b = _cli("run", "-p", "the dog ran", *common)
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and a.stdout.strip()
+    both = _cli("run", "the dog ran", "-p", "the cat", *common)
+    assert both.returncode != 0 and "given twice" in both.stderr and len(both.stderr.strip().splitlines()) == 1
+
+
 def test_color_view_marks_accepted_and_rejected(tiny) -> None:
     r = _cli("run", "the cat sat", "-m", str(tiny.target), "-md", str(tiny.draft), "-n", "40", "--color",
              "--draft-p-min", "0", "-s", "sps", "--seed", "1")
