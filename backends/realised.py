@@ -110,6 +110,14 @@ The rates are kept for the next process on the same files and machine
 (backends.slot.Learnt, under "realised"; `to_json`, `from_json`), tick
 count and all, so that a new server does not speculate at a batch size where
 the last one found it does not pay while it gathers that evidence again.
+They describe another spell of the machine, though: taken up, each rate
+stands until the first new evidence of its kind, which replaces it; and the
+new process counts its ticks on from
+the next multiple of STALE, so that its first ticks are plain (`plain_due`)
+and a held-back batch size is probed within STALE. Kept at full weight, a
+plain rate measured beside the test suite (15.6 tok/s, where the quiet
+machine does 51.8) let the chat app's next answer speculate unchecked at
+0.85x plain decoding; a dozen ticks on, it still read 16.5 (docs/results.md).
 """
 
 from __future__ import annotations
@@ -148,7 +156,7 @@ PLAIN_EVERY = 32
 # at another batch size show it).
 PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
-# the rates describe the machine as it was used, and a new process's ticks soon outweigh them anyway).
+# the rates describe the machine as it was used, and the first new evidence of their kind replaces them).
 KEPT_FOR = 7 * 24 * 3600.0
 FORMAT = 3  # 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
 KINDS = ("plain", "speculated", "decided")
@@ -160,12 +168,15 @@ class _Rate:
     seconds: float = 0.0
     count: float = 0.0
     last_tick: int = -(1 << 30)
+    taken: bool = field(default=False, compare=False)  # kept by an earlier process, no new evidence since
 
     def add(self, tokens: int, seconds: float, tick: int) -> None:
         # Stale evidence weighs less in the rate, not in the count: the count says there is evidence to judge
         # by, so a probe's tick is judged at once with what came before (had the count fallen below the
-        # minimum, the ticks after each probe would speculate unchecked until it was reached again).
-        keep = DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
+        # minimum, the ticks after each probe would speculate unchecked until it was reached again). Evidence an
+        # earlier process kept, of another spell of the machine, the first new evidence replaces.
+        keep = 0.0 if self.taken else DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
+        self.taken = False
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
         self.count = self.count * DECAY + 1.0
@@ -177,6 +188,13 @@ class _Rate:
 
     def to_json(self) -> list[float]:
         return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick]
+
+    def taken_up(self, tick: int) -> None:
+        """Kept by an earlier process, taken up by this one at `tick`: the rate stands until new evidence comes,
+        which replaces it (`add`), and it is stale (plain ticks are due, probes come); its count, which says
+        there is evidence to judge by, stays."""
+        self.taken = True
+        self.last_tick = min(self.last_tick, tick - STALE - 1)
 
     @classmethod
     def from_json(cls, v: object, tick: int) -> "_Rate":
@@ -365,7 +383,7 @@ class Realised:
             tick = data["tick"]
             if not abs(age) <= KEPT_FOR or type(tick) is not int or tick < 0:
                 return cls()
-            out = cls(tick=tick)
+            out = cls(tick=-(-tick // STALE) * STALE)  # plain ticks due at once (`plain_due`), probes aligned as ever
             for kind in KINDS:
                 rates = data[kind]
                 if not isinstance(rates, dict):
@@ -373,7 +391,8 @@ class Realised:
                 for b, v in rates.items():
                     if int(b) < 1:
                         return cls()
-                    getattr(out, kind)[int(b)] = _Rate.from_json(v, tick)
+                    rate = getattr(out, kind)[int(b)] = _Rate.from_json(v, tick)
+                    rate.taken_up(tick)
         except (KeyError, TypeError, ValueError):
             return cls()
         return out
