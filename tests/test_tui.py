@@ -129,6 +129,28 @@ def test_all_llama_cpp_work_of_the_app_runs_on_one_thread(tiny, tmp_path, monkey
     assert threading.get_ident() not in threads["decode"], "never the UI's thread"
 
 
+def test_the_speedup_is_against_this_models_plain_decoding(tiny, tmp_path, monkeypatch) -> None:
+    """The bar's baseline: the calibration run after a load, then the user's own `ar` turns; another model
+    starts it over from its own calibration (the first model's `ar` turns had stayed the baseline, and every
+    later speedup was shown against another model's plain decoding)."""
+    calibrations = iter([111.0, 222.0])
+    monkeypatch.setattr("app.tui.chat_screen.measure_plain_decoding", lambda engine: next(calibrations))
+
+    async def scenario() -> None:
+        app = app_for(tiny_settings(tiny.target, tiny.draft, "ar", 16), tmp_path, calibrate=True)
+        async with app.run_test(size=(100, 30)) as pilot:
+            chat = app.chat
+            await wait_loaded(pilot)
+            await wait_for(pilot, lambda: chat.stats.baseline == 111.0, "the calibration")
+            await send(pilot, PROMPT)
+            assert chat.stats.baseline == pytest.approx(chat.last_done.stats.tokens_per_second), "an ar turn"
+            chat._change_settings(replace(chat.settings, target=str(tiny.draft), draft=None))
+            await wait_for(pilot, lambda: chat.stats.baseline == 222.0, "the new model's calibration")
+            assert chat.engine.config.target == Path(tiny.draft)
+
+    asyncio.run(scenario())
+
+
 def test_escape_cancels_and_the_next_turn_works(tiny, tmp_path) -> None:
     async def scenario() -> None:
         # ignore_eos: the tiny target's greedy answer ends (eos) after about 3,900 tokens, which a slow machine

@@ -13,7 +13,7 @@ from textual.geometry import Region
 from textual.widgets import Markdown, Static
 
 from app.tui.messages import PromptDecoded, TokensArrived, TurnFinished
-from app.tui.streaming import Pacer, stream_events
+from app.tui.streaming import LiveStats, Pacer, PlainBaseline, stream_events
 from app.tui.transcript import AnswerView, ColouredText, Transcript
 from backends.events import ACCEPTED, REJECTED, TARGET, Done, GenStats, Prefilled, StepEnd, Token
 from tui_helpers import char_styles, wait_for
@@ -253,3 +253,52 @@ def test_transcript_follows_a_growing_markdown_answer_unless_scrolled_up() -> No
             assert transcript.scroll_y == 0 < transcript.max_scroll_y
 
     asyncio.run(scenario())
+
+
+def test_the_stream_times_each_answers_plain_steps() -> None:
+    """The plain steps' tokens and seconds, each from the step before (the prompt's own first step left out):
+    plain decoding's rate under the answer's own conditions, for the bar's speedup."""
+    now = [0.0]
+    steps = [("plain", 0, 1, 0.05), ("plain", 0, 1, 0.02), ("lookup", 3, 4, 0.03), ("plain", 0, 1, 0.025),
+             ("plain", 0, 0, 0.02)]  # (choice, drafted, tokens, seconds): the last one's token ended the answer
+
+    def timed():
+        yield Prefilled(n_tokens=3, n_cached=0, seconds=0.0)
+        for choice, drafted, tokens, seconds in steps:
+            for i in range(tokens):
+                yield Token(i, "a", TARGET)
+            now[0] += seconds
+            yield StepEnd(drafted=drafted, accepted=max(0, tokens - 1) if drafted else 0, seconds=seconds,
+                          choice=choice)
+        yield Done(reason="eos", tokens=(), text="", stats=GenStats(
+            "auto", prompt_tokens=3, prompt_cached=0, prompt_seconds=0.0, generated_tokens=7, decode_seconds=now[0],
+            target_forwards=5, drafted=3, accepted=3))
+
+    posted: list[object] = []
+    stream_events("auto", timed(), posted.append, lambda: 10.0, clock=lambda: now[0])
+    finished = posted[-1]
+    assert isinstance(finished, TurnFinished)
+    assert finished.live.plain_tokens == 2 and finished.live.plain_seconds == pytest.approx(0.065)
+    assert finished.live.generated == 7 and finished.live.strategy == "auto"
+
+
+def _live(strategy: str, generated: int, seconds: float, plain_tokens: int = 0, plain_seconds: float = 0.0):
+    return LiveStats(strategy, generated, 0, 0, generated, seconds, plain_tokens=plain_tokens,
+                     plain_seconds=plain_seconds)
+
+
+def test_the_plain_baseline_prefers_ar_turns_then_the_answers_plain_steps_then_the_calibration() -> None:
+    b = PlainBaseline()
+    assert b.value is None
+    b.calibrated(50.0)
+    assert b.value == 50.0, "the run after the load, until the turns say more"
+    b.turn(_live("auto", 20, 0.5, plain_tokens=20, plain_seconds=0.45))
+    assert b.value == 50.0, f"fewer than {PlainBaseline.MIN_TOKENS} plain tokens: not yet"
+    b.turn(_live("auto", 40, 0.9, plain_tokens=20, plain_seconds=0.45))
+    assert b.value == pytest.approx(40 / 0.9), "the answers' plain steps, under the answers' conditions"
+    b.turn(_live("ar", 30, 1.0))
+    b.turn(_live("ar", 30, 0.6))
+    b.turn(_live("ar", 4, 0.01))  # too short to say anything
+    assert b.value == pytest.approx(40.0), "the median of the user's own ar turns"
+    b.reset()
+    assert b.value is None, "a new model starts over"

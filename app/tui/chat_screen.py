@@ -20,7 +20,6 @@ Ctrl+O expands or folds the last answer's reasoning.
 
 from __future__ import annotations
 
-import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -46,7 +45,7 @@ from app.tui.settings_screen import SettingsScreen
 from app.tui.stats_bar import StatsBar, legend_markup, turn_label
 from app.tui.messages import (BaselineMeasured, LoadFailed, LoadProgress, ModelLoaded, PromptDecoded, TokensArrived,
                               TurnFailed, TurnFinished)
-from app.tui.streaming import LiveStats, Pacer, stream_events
+from app.tui.streaming import Pacer, PlainBaseline, stream_events
 from app.tui.thinking import answer_tail
 from app.tui.transcript import AnswerView, Note, Transcript, UserMessage
 from app.tui.welcome_screen import WelcomeScreen
@@ -99,7 +98,7 @@ class ChatScreen(Screen):
         self._pacer = Pacer()  # the interval between token batches, from what showing them costs
         self._answer: AnswerView | None = None
         self._keep_timer: Timer | None = None  # keeps the last turn's cells once the chat is idle
-        self._plain_speeds: list[float] = []
+        self._baseline = PlainBaseline()  # plain decoding's rate on this model: what the speedup is against
         self.last_done: Done | None = None  # the last turn's end, with its stats
 
     # -- layout ---------------------------------------------------------------
@@ -194,6 +193,8 @@ class ChatScreen(Screen):
         previous = self.session.messages if self.session else []
         self.engine = engine
         self.session = ChatSession(engine, self.settings.system_prompt, kv_bytes=self.settings.kv_disk)
+        self._baseline.reset()  # another model's plain rate says nothing of this one's
+        self.stats.baseline = None
         self.session.reset(previous)
         names = engine.config.target.name + (f" + {engine.config.draft.name}" if engine.config.draft else "")
         self.app.sub_title = names
@@ -220,8 +221,8 @@ class ChatScreen(Screen):
         self.notify(message.error, title="model not loaded", severity="error")
 
     def on_baseline_measured(self, message: BaselineMeasured) -> None:
-        if not self._plain_speeds:  # a real plain-decoding turn is the better baseline
-            self.stats.show(baseline=message.tokens_per_second)
+        self._baseline.calibrated(message.tokens_per_second)  # the turns' own plain steps are the better baseline
+        self.stats.show(baseline=self._baseline.value)
 
     # -- turns ----------------------------------------------------------------
 
@@ -302,12 +303,12 @@ class ChatScreen(Screen):
             self._answer.finish(answer_tail(self._answer.output_text, done), done.reasoning,
                                 done.stats.decode_seconds)
         stats = done.stats
-        if stats.strategy == "ar" and done.reason != "error" and stats.generated_tokens >= 8:
-            self._plain_speeds.append(stats.tokens_per_second)
-            self.stats.show(baseline=statistics.median(self._plain_speeds))
+        if done.reason != "error":
+            self._baseline.turn(message.live)
+            self.stats.show(baseline=self._baseline.value)
         # A turn stopped before its first token has no figures worth showing.
         last_why = self.stats.live.why if self.stats.live is not None else ""
-        live = replace(LiveStats.from_stats(stats), why=last_why) if stats.generated_tokens else None
+        live = replace(message.live, why=message.live.why or last_why) if stats.generated_tokens else None
         self.stats.show(live=live, state=f"done: {done.reason}")
         if done.reason == "error":
             self._note(f"generation failed: {done.error}", "error")

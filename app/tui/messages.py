@@ -64,6 +64,7 @@ class PromptDecoded(Message):
 
 
 class TurnFinished(Message):
-    def __init__(self, done: Done) -> None:
+    def __init__(self, done: Done, live: "LiveStats") -> None:
         super().__init__()
         self.done = done
+        self.live = live  # its final figures, the plain steps' timing with them

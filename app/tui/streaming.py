@@ -22,11 +22,22 @@ that showing the answer takes at most UI_BUDGET of a core, between
 MIN_INTERVAL (a few tokens at a time while batches are cheap) and
 MAX_INTERVAL. The interval is asked for at every step, so the UI can change it
 mid-answer.
+
+The bar's "× vs plain decoding" needs plain decoding's rate under the same
+conditions as the answer: the same UI beside it, the same context length.
+A short plain run right after the model loads, with no UI streaming, reads
+faster than that (an answer of `auto`'s held back to plain decoding
+throughout read 0.92× against it in the chat app), so every answer's plain
+steps are timed too (from the step before to theirs, tokens and seconds:
+LiveStats.plain_tokens, plain_seconds) and `PlainBaseline` prefers them, after
+the user's own `ar` turns, to that run.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
@@ -88,6 +99,10 @@ class LiveStats:
     seconds: float
     by_source: tuple[tuple[str, int], ...] = ()  # output tokens by who proposed them
     why: str = ""  # auto: what it chooses now, and why
+    # The plain steps' tokens and seconds (each from the step before), the first step's left out: plain decoding's
+    # rate here, now (PlainBaseline).
+    plain_tokens: int = 0
+    plain_seconds: float = 0.0
 
     def shares(self) -> list[tuple[str, int]]:
         """Each source's share of the output tokens in percent, by source name, e.g. [('draft', 41), ('target', 59)]
@@ -125,16 +140,19 @@ def stream_events(
     """Post the stream as coalesced messages, at least `interval()` seconds apart; returns the `Done` event."""
     pending: list[Token] = []
     generated = drafted = accepted = forwards = 0
+    step_tokens = plain_tokens = 0  # tokens of the step under way; of the plain steps so far
+    plain_seconds = 0.0
     by_source: dict[str, int] = {}
     why = ""
     thinking = False  # a reasoning token has come
     thought: float | None = None  # the seconds until the answer's first token, after the reasoning's
-    started = last_post = clock()
+    started = last_post = last_step = clock()
     for event in events:
         if isinstance(event, Token):
             pending.append(event)
             if event.kind != REJECTED:
                 generated += 1
+                step_tokens += 1
                 by_source[event.source] = by_source.get(event.source, 0) + 1
                 thinking = thinking or event.channel == "reasoning" or bool(event.reasoning)
                 if thinking and thought is None and event.channel == "content":
@@ -145,17 +163,59 @@ def stream_events(
             accepted += event.accepted
             why = event.why or why
             now = clock()
+            if event.choice == "plain" and not event.drafted and forwards > 1:  # (the first: the prompt's token)
+                plain_tokens, plain_seconds = plain_tokens + step_tokens, plain_seconds + now - last_step
+            step_tokens, last_step = 0, now
             if pending and now - last_post >= interval():
                 live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started,
-                                 tuple(by_source.items()), why)
+                                 tuple(by_source.items()), why, plain_tokens, plain_seconds)
                 post(TokensArrived(tuple(pending), live, thought))
                 pending, last_post = [], now
         elif isinstance(event, Prefilled):
-            started = last_post = clock()
+            started = last_post = last_step = clock()
             post(PromptDecoded(event))
         elif isinstance(event, Done):
+            final = replace(LiveStats.from_stats(event.stats), why=why, plain_tokens=plain_tokens,
+                            plain_seconds=plain_seconds)
             if pending:
-                post(TokensArrived(tuple(pending), replace(LiveStats.from_stats(event.stats), why=why), thought))
-            post(TurnFinished(event))
+                post(TokensArrived(tuple(pending), final, thought))
+            post(TurnFinished(event, final))
             return event
     return None
+
+
+class PlainBaseline:
+    """Plain decoding's tokens per second on this model, in this session: what the bar's speedup is against. The
+    median of the user's own `ar` turns where there are any; else the plain steps of the last RECENT turns,
+    once they hold MIN_TOKENS; else the short plain run measured after the model loaded (`calibrated`). A new
+    model starts it over (`reset`)."""
+
+    RECENT = 8
+    MIN_TOKENS = 32
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._ar: list[float] = []
+        self._plain: deque[tuple[int, float]] = deque(maxlen=self.RECENT)
+        self._calibrated: float | None = None
+
+    def calibrated(self, tokens_per_second: float) -> None:
+        self._calibrated = tokens_per_second
+
+    def turn(self, live: LiveStats) -> None:
+        """A turn ended with these figures (an `ar` turn of a few tokens or more is plain decoding whole)."""
+        if live.strategy == "ar" and live.generated >= 8 and live.seconds > 0:
+            self._ar.append(live.tokens_per_second)
+        elif live.plain_tokens and live.plain_seconds > 0:
+            self._plain.append((live.plain_tokens, live.plain_seconds))
+
+    @property
+    def value(self) -> float | None:
+        if self._ar:
+            return statistics.median(self._ar)
+        tokens = sum(t for t, _ in self._plain)
+        if tokens >= self.MIN_TOKENS:
+            return tokens / sum(s for _, s in self._plain)
+        return self._calibrated
