@@ -31,10 +31,10 @@ not pay, it delivers less than the plain ticks it stands for, and one that
 verifies a large tree on a steep curve costs several of them (on the tests'
 tiny model, with every row priced as free, a 13-row probe took twelve plain
 ticks' time, and probes every STALE ticks 7% of the time in llama_decode:
-docs/results.md). So probes are spaced further
-apart than STALE where the last one's time beyond what it delivered,
-counted in plain ticks, would make them more than PROBE_SHARE of the time:
-the same bound as `auto`'s exploration (AutoConfig.explore_budget).
+docs/results.md). So probes are spaced further apart than STALE where the
+last one's time beyond what it delivered, counted in plain ticks, would make
+them more than PROBE_SHARE of the time: the same bound as `auto`'s
+exploration (AutoConfig.explore_budget).
 Ticks that decode a prompt chunk are not counted: they are neither. Nor
 is the draft catching up on tokens it missed where that is a one-off
 switch (`switching`): the prompt it takes alone after the first token, and
@@ -112,12 +112,12 @@ count and all, so that a new server does not speculate at a batch size where
 the last one found it does not pay while it gathers that evidence again.
 They describe another spell of the machine, though: taken up, each rate
 stands until the first new evidence of its kind, which replaces it; and the
-new process counts its ticks on from
-the next multiple of STALE, so that its first ticks are plain (`plain_due`)
-and a held-back batch size is probed within STALE. Kept at full weight, a
-plain rate measured beside the test suite (15.6 tok/s, where the quiet
-machine does 51.8) let the chat app's next answer speculate unchecked at
-0.85x plain decoding; a dozen ticks on, it still read 16.5 (docs/results.md).
+new process counts its ticks on from the next multiple of STALE, so that its
+first ticks are plain (`plain_due`) and a held-back batch size is probed
+within STALE. Kept at full weight, a plain rate measured beside the test
+suite (15.6 tok/s, where the quiet machine does 51.8) let the chat app's
+next answer speculate unchecked at 0.85x plain decoding; a dozen ticks on,
+it still read 16.5 (docs/results.md).
 """
 
 from __future__ import annotations
