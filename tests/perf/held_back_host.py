@@ -16,9 +16,10 @@ and its time in llama_decode a token, then the medians, and the decode time spli
 `--measured-cost`: price rows with the device's measured cost, as a real engine does; by default every row looks
 free, so that the check alone holds `auto` back, and its probes verify the largest trees they may.)
 
-(`auto`'s time in llama_decode a token reads above `ar`'s on the tiny model by a tenth: not its one-row decodes,
-which take what `ar`'s take, but its probes, a 13-row tree every STALE ticks at 12 times a plain step's cost
-there, since rows look free.)
+(`auto`'s time in llama_decode a token read above `ar`'s on the tiny model by a tenth: not its one-row decodes,
+which take what `ar`'s take, but its probes, a 13-row tree every 128 ticks at 12 times a plain step's cost there,
+since rows look free; now they are spaced by what they cost, backends.realised.PROBE_SHARE, and `--probe-share 1e9`
+spaces them as before.)
 """
 
 from __future__ import annotations
