@@ -111,7 +111,9 @@ The rates are kept for the next process on the same files and machine
 count and all, so that a new server does not speculate at a batch size where
 the last one found it does not pay while it gathers that evidence again.
 They describe another spell of the machine, though: taken up, each rate
-stands until the first new evidence of its kind, which replaces it; and the
+stands until the first new evidence of its kind, which replaces it (and, for
+speculating ticks, whose tokens vary with what they verified, its count: a
+few ticks of this spell judge it); and the
 new process counts its ticks on from the next multiple of STALE, so that its
 first ticks are plain (`plain_due`) and a held-back batch size is probed
 within STALE. Kept at full weight, a plain rate measured beside the test
@@ -168,18 +170,20 @@ class _Rate:
     seconds: float = 0.0
     count: float = 0.0
     last_tick: int = -(1 << 30)
-    taken: bool = field(default=False, compare=False)  # kept by an earlier process, no new evidence since
+    # Kept by an earlier process, no new evidence since: "keep" (the first new evidence replaces the rate, the count
+    # stays) or "recount" (it replaces both); "" for evidence of this process (`taken_up`).
+    taken: str = field(default="", compare=False)
 
     def add(self, tokens: int, seconds: float, tick: int) -> None:
         # Stale evidence weighs less in the rate, not in the count: the count says there is evidence to judge
         # by, so a probe's tick is judged at once with what came before (had the count fallen below the
         # minimum, the ticks after each probe would speculate unchecked until it was reached again). Evidence an
-        # earlier process kept, of another spell of the machine, the first new evidence replaces.
+        # earlier process kept, of another spell of the machine, the first new evidence replaces, count and all.
         keep = 0.0 if self.taken else DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
-        self.taken = False
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
-        self.count = self.count * DECAY + 1.0
+        self.count = 1.0 if self.taken == "recount" else self.count * DECAY + 1.0
+        self.taken = ""
         self.last_tick = tick
 
     @property
@@ -189,11 +193,14 @@ class _Rate:
     def to_json(self) -> list[float]:
         return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick]
 
-    def taken_up(self, tick: int) -> None:
+    def taken_up(self, tick: int, recount: bool) -> None:
         """Kept by an earlier process, taken up by this one at `tick`: the rate stands until new evidence comes,
-        which replaces it (`add`), and it is stale (plain ticks are due, probes come); its count, which says
-        there is evidence to judge by, stays."""
-        self.taken = True
+        which replaces it (`add`), and it is stale (plain ticks are due, probes come). Its count, which says there
+        is evidence to judge by, stays where one tick tells the rate (a plain tick's time, or a decided one's,
+        varies little), and starts over with the new evidence where one tick does not (`recount`: a speculating
+        tick's tokens vary with what it verified; one probe tick judged as twenty held the Gemma pair back in
+        the chat app)."""
+        self.taken = "recount" if recount else "keep"
         self.last_tick = min(self.last_tick, tick - STALE - 1)
 
     @classmethod
@@ -392,7 +399,7 @@ class Realised:
                     if int(b) < 1:
                         return cls()
                     rate = getattr(out, kind)[int(b)] = _Rate.from_json(v, tick)
-                    rate.taken_up(tick)
+                    rate.taken_up(tick, recount=kind == "speculated")
         except (KeyError, TypeError, ValueError):
             return cls()
         return out
