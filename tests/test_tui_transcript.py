@@ -256,8 +256,8 @@ def test_transcript_follows_a_growing_markdown_answer_unless_scrolled_up() -> No
 
 
 def test_the_stream_times_each_answers_plain_steps() -> None:
-    """The plain steps' tokens and seconds, each from the step before (the prompt's own first step left out):
-    plain decoding's rate under the answer's own conditions, for the bar's speedup."""
+    """The plain steps' tokens and seconds, each from the step before (the first from the prompt's end): plain
+    decoding's rate under the answer's own conditions, for the bar's speedup."""
     now = [0.0]
     steps = [("plain", 0, 1, 0.05), ("plain", 0, 1, 0.02), ("lookup", 3, 4, 0.03), ("plain", 0, 1, 0.025),
              ("plain", 0, 0, 0.02)]  # (choice, drafted, tokens, seconds): the last one's token ended the answer
@@ -278,7 +278,7 @@ def test_the_stream_times_each_answers_plain_steps() -> None:
     stream_events("auto", timed(), posted.append, lambda: 10.0, clock=lambda: now[0])
     finished = posted[-1]
     assert isinstance(finished, TurnFinished)
-    assert finished.live.plain_tokens == 2 and finished.live.plain_seconds == pytest.approx(0.065)
+    assert finished.live.plain_tokens == 3 and finished.live.plain_seconds == pytest.approx(0.115)
     assert finished.live.generated == 7 and finished.live.strategy == "auto"
 
 

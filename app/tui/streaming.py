@@ -30,8 +30,10 @@ faster than a conversation's plain decoding (the SmolLM2 F32 target, `specchat
 run -s ar`: 52.2 tok/s for 24 tokens, 42.2 for 400; an answer of `auto`'s
 held back to plain decoding throughout read 0.92× against it in the chat
 app), so every answer's plain steps are timed too (from the step before to
-theirs, tokens and seconds: LiveStats.plain_tokens, plain_seconds) and
-`PlainBaseline` prefers them, after the user's own `ar` turns, to that run.
+theirs, the first from the prompt's end, tokens and seconds:
+LiveStats.plain_tokens, plain_seconds: an answer decoded plainly throughout
+is its own baseline) and `PlainBaseline` prefers them, after the user's own
+`ar` turns, to that run.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ class LiveStats:
     seconds: float
     by_source: tuple[tuple[str, int], ...] = ()  # output tokens by who proposed them
     why: str = ""  # auto: what it chooses now, and why
-    # The plain steps' tokens and seconds (each from the step before), the first step's left out: plain decoding's
-    # rate here, now (PlainBaseline).
+    # The plain steps' tokens and seconds (each from the step before, the first from the prompt's end): plain
+    # decoding's rate here, now, as a whole answer pays it (PlainBaseline).
     plain_tokens: int = 0
     plain_seconds: float = 0.0
 
@@ -164,7 +166,7 @@ def stream_events(
             accepted += event.accepted
             why = event.why or why
             now = clock()
-            if event.choice == "plain" and not event.drafted and forwards > 1:  # (the first: the prompt's token)
+            if event.choice == "plain" and not event.drafted:
                 plain_tokens, plain_seconds = plain_tokens + step_tokens, plain_seconds + now - last_step
             step_tokens, last_step = 0, now
             if pending and now - last_post >= interval():
