@@ -188,7 +188,7 @@ def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() 
 def test_held_back_probes_are_spaced_by_what_they_cost() -> None:
     """A probe that costs many plain ticks (a large tree on a steep curve) is made seldom enough that probes take
     about PROBE_SHARE of the time beyond what they deliver, counted or not (an option still being learnt chose its
-rows); one that costs about a plain tick, as often as before."""
+    rows); one that costs about a plain tick, as often as before."""
     for probe_seconds, learnt in ((0.2, False), (0.2, True), (0.021, False)):  # ten plain ticks' time for one token
         r = Realised()
         _ticks(r, 30, 1, False, 1, 0.02)
