@@ -47,6 +47,15 @@ from backends.sampling import GenParams  # noqa: E402
 from backends.strategies.auto.state import AutoState  # noqa: E402
 
 
+# Only the check holds `auto` back: no draft, no lookahead, no exploration, no memory.
+OPTIONS = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
+
+
+def rows_look_free(engine: Engine) -> None:
+    """A device cost on which every row is nearly free: the cost model never holds `auto` back, the check does."""
+    engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)
+
+
 def losing() -> Realised:
     """A record in which speculating ticks at one sequence delivered half the plain ones' rate."""
     r = Realised()
@@ -78,20 +87,20 @@ def main() -> None:
         write_llama_gguf(path)
     engine = Engine(EngineConfig(target=path, n_ctx=2048, threads=args.threads, n_seq_max=8, cost_cache=Path("")))
     if not args.measured_cost:
-        engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)  # rows look free: only the check
+        rows_look_free(engine)
     one_row: dict[str, list[float]] = {"ar": [], "auto": []}
     multi: dict[str, list[float]] = {"ar": [], "auto": []}
     timed: list[tuple[int, float]] = []  # (rows, seconds) of each target decode of the run
     lane_decode = engine.target_lane.decode
 
-    def decode(requests):  # type: ignore[no-untyped-def]
+    def timed_decode(requests):  # type: ignore[no-untyped-def]
         before = engine.target_lane.seconds
         rows = lane_decode(requests)
         timed.append((sum(map(len, requests)), engine.target_lane.seconds - before))
         return rows
 
-    engine.target_lane.decode = decode  # type: ignore[method-assign]
-    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
+    engine.target_lane.decode = timed_decode  # type: ignore[method-assign]
+    options = OPTIONS
     params = GenParams(max_tokens=args.tokens, temperature=0.8, seed=1, ignore_eos=True)
     host: dict[str, list[float]] = {"ar": [], "auto": []}
     decode: dict[str, list[float]] = {"ar": [], "auto": []}

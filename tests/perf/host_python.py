@@ -24,12 +24,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from auto_helpers import recorded  # noqa: E402
 from gguf_factory import write_llama_gguf  # noqa: E402
-from held_back_host import losing  # noqa: E402
+from held_back_host import OPTIONS, losing, rows_look_free  # noqa: E402
 from test_lossless import _copying_prompt  # noqa: E402
 
 from backends import llama, realised  # noqa: E402
-from backends.config import AutoConfig, StrategyOptions  # noqa: E402
-from backends.device_cost import BatchCost, DeviceCost  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
 from backends.sampling import GenParams  # noqa: E402
 from backends.scheduler import Alone, Scheduler  # noqa: E402
@@ -45,8 +43,8 @@ def main() -> None:
     path = Path(tempfile.mkdtemp(prefix="host-python-")) / "target.gguf"
     write_llama_gguf(path)
     engine = Engine(EngineConfig(target=path, n_ctx=args.tokens + 256, threads=1, n_seq_max=8, cost_cache=Path("")))
-    engine._cost = DeviceCost(BatchCost(tuple(0.01 for _ in range(16))), 0.0)
-    options = StrategyOptions(memory=False, auto=AutoConfig(draft=False, lookahead=False, explore_budget=0.0))
+    rows_look_free(engine)
+    options = OPTIONS
     params = GenParams(max_tokens=args.tokens, temperature=0.8, seed=1, ignore_eos=True)
     prompt = _copying_prompt(engine)  # (it decodes: before the stub)
     decode, logits = llama.LlamaContext.decode, llama.LlamaContext.logits
