@@ -146,6 +146,9 @@ GROSS = 0.75
 # Per observation of a kind at a batch size: about 1/(1-DECAY) recent ticks count, so a machine that slows
 # down or speeds up (another program starts or stops) is followed within a few dozen ticks.
 DECAY = 0.95
+# A count's limit after many ticks (1 + DECAY + DECAY^2 + ...). Kept rounded to three decimals, a count at its limit
+# reads 20.0, a hair above 1/(1-DECAY) in floating point: the bound of what `from_json` takes allows for that.
+MAX_COUNT = 1 / (1 - DECAY) + 1e-3
 # Evidence older than STALE ticks weighs STALE_WEIGHT in the rate when new evidence of its kind comes.
 STALE = 64
 STALE_WEIGHT = 0.25
@@ -209,7 +212,7 @@ class _Rate:
         if not isinstance(v, list) or len(v) != 4 or type(v[3]) is not int or v[3] > tick:
             raise ValueError("not a rate")
         tokens, seconds, count = (float(x) for x in v[:3])
-        if not all(0 <= x < math.inf for x in (tokens, seconds, count)) or count > 1 / (1 - DECAY):
+        if not all(0 <= x < math.inf for x in (tokens, seconds, count)) or count > MAX_COUNT:
             raise ValueError("not a rate")
         return cls(tokens, seconds, count, v[3])
 
