@@ -138,6 +138,11 @@ MARGIN = 0.0
 # Ticks of each kind at a batch size before the rates are compared (decayed counts).
 MIN_SPECULATED = 8.0
 MIN_PLAIN = 4.0
+# A tick of plain rows that `auto` chose counts for speculation at the plain rate, longer by its host work beyond
+# plain ticks' less this share of a plain tick (`_as_plain`): deciding that costs less than this is not held back.
+# Looking up proposals and pricing them costs 0.2-0.5 ms a token where a step takes 30 ms (0.6-1.5%); on a fast
+# device's 1.5-2.2 ms step it is 8-11%, and held back there (docs/results.md, "Ticks that decided plain rows").
+DECIDE_SLACK = 0.02
 # A gross loss (speculating ticks at less than GROSS x the plain rate) is judged after MIN_GROSS ticks: a burst
 # of eight clients whose first ticks took five times a plain tick's time and delivered 0.55-0.7x its rate ran
 # nineteen of them before MIN_SPECULATED was reached.
@@ -163,7 +168,7 @@ PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and the first new evidence of their kind replaces them).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 3  # 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
+FORMAT = 4  # 4: each rate's decode seconds; 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
 KINDS = ("plain", "speculated", "decided")
 
 
@@ -171,13 +176,14 @@ KINDS = ("plain", "speculated", "decided")
 class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
+    decode: float = 0.0  # of `seconds`, those in the target's decode
     count: float = 0.0
     last_tick: int = -(1 << 30)
     # Kept by an earlier process, no new evidence since: "keep" (the first new evidence replaces the rate, the count
     # stays) or "recount" (it replaces both); "" for evidence of this process (`taken_up`).
     taken: str = field(default="", compare=False)
 
-    def add(self, tokens: int, seconds: float, tick: int) -> None:
+    def add(self, tokens: int, seconds: float, tick: int, decode: float = 0.0) -> None:
         # Stale evidence weighs less in the rate, not in the count: the count says there is evidence to judge
         # by, so a probe's tick is judged at once with what came before (had the count fallen below the
         # minimum, the ticks after each probe would speculate unchecked until it was reached again). Evidence an
@@ -185,6 +191,7 @@ class _Rate:
         keep = 0.0 if self.taken else DECAY * (STALE_WEIGHT if tick - self.last_tick > STALE else 1.0)
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
+        self.decode = self.decode * keep + decode
         self.count = 1.0 if self.taken == "recount" else self.count * DECAY + 1.0
         self.taken = ""
         self.last_tick = tick
@@ -194,7 +201,8 @@ class _Rate:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> list[float]:
-        return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), round(self.count, 3), self.last_tick]
+        return [float(f"{self.tokens:.6g}"), float(f"{self.seconds:.6g}"), float(f"{self.decode:.6g}"),
+                round(self.count, 3), self.last_tick]
 
     def taken_up(self, tick: int, recount: bool) -> None:
         """Kept by an earlier process, taken up by this one at `tick`: the rate stands until new evidence comes,
@@ -209,12 +217,13 @@ class _Rate:
     @classmethod
     def from_json(cls, v: object, tick: int) -> "_Rate":
         """What `to_json` wrote; ValueError for anything else (a last tick after `tick` included)."""
-        if not isinstance(v, list) or len(v) != 4 or type(v[3]) is not int or v[3] > tick:
+        if not isinstance(v, list) or len(v) != 5 or type(v[4]) is not int or v[4] > tick:
             raise ValueError("not a rate")
-        tokens, seconds, count = (float(x) for x in v[:3])
-        if not all(0 <= x < math.inf for x in (tokens, seconds, count)) or count > MAX_COUNT:
+        tokens, seconds, decode, count = (float(x) for x in v[:4])
+        if not all(0 <= x < math.inf for x in (tokens, seconds, decode, count)) or count > MAX_COUNT \
+                or decode > seconds:
             raise ValueError("not a rate")
-        return cls(tokens, seconds, count, v[3])
+        return cls(tokens, seconds, decode, count, v[4])
 
 
 @dataclass
@@ -235,6 +244,10 @@ class Realised:
     # Whether a sequence chose this tick's rows (`_rows_learning`), or the next one's, with an option still learnt.
     _rows_learning: bool = field(default=False, compare=False, repr=False)
     _learning: bool = field(default=False, compare=False, repr=False)
+    # Whether this tick probes speculation held back (`_probe`), or the last one did (`_rows_probed`): its rows,
+    # chosen in this tick, are counted even where the option chosen is still being learnt.
+    _probing: bool = field(default=False, compare=False, repr=False)
+    _rows_probed: bool = field(default=False, compare=False, repr=False)
     # Per batch size held back: the last tick of speculating evidence when it was (`allows`).
     _held: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
     # Per batch size: the tokens, seconds and tick of its last speculating tick, counted or not (held back: a probe).
@@ -265,17 +278,18 @@ class Realised:
         """Seconds of this tick's catch-ups so far (`switching`): left out of its time."""
         return self._switching
 
-    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float) -> str:
-        """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took.
-        Plain evidence only where nobody decided this tick's rows nor, within it, the next tick's; decided
-        evidence where nobody speculated but someone decided. Returns what it was counted as (the kinds, joined
-        by "+"; "learning" or "" where it was not: backends.tick_log)."""
+    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float, decode: float = 0.0) -> str:
+        """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took (of
+        which `decode` in the target's decode; 0: not known). Plain evidence only where nobody decided this
+        tick's rows nor, within it, the next tick's; decided evidence where nobody speculated but someone
+        decided, counted in the plain rate's spell (`_as_plain`). Returns what it was counted as (the kinds,
+        joined by "+"; "learning" or "" where it was not: backends.tick_log)."""
         seconds -= self._switching
         if seconds <= 0:
             return "learning" if self._rows_learning else ""
         if speculated or self._rows_decided:  # what a probe costs, counted or not (an option still learnt)
             self._last_speculated[sequences] = (tokens, seconds, self.tick)
-        if self._rows_learning:
+        if self._rows_learning and not self._rows_probed:
             return "learning"
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
@@ -287,14 +301,34 @@ class Realised:
         if decided and not speculated:  # plain rows and `auto`'s work on top
             kinds.append("decided")
         for kind in kinds:
-            getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, seconds, self.tick)
+            counted = seconds
+            if not speculated and kind != "plain":  # plain rows, `auto`'s work on top
+                counted = self._as_plain(sequences, seconds, decode, DECIDE_SLACK if kind == "speculated" else 0.0)
+            getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, counted, self.tick, decode)
         return "+".join(kinds)
+
+    def _as_plain(self, sequences: int, seconds: float, decode: float, slack: float) -> float:
+        """A tick of plain rows whose work `auto` did (it looked up proposals and priced them, or decided the next
+        tick's rows), in the plain rate's spell: a plain tick's time there, longer by the share its host work
+        took beyond plain ticks' (less `slack`). Its decode is what a plain tick's would have been now, so the
+        machine's pace cancels: counted as it was seen, such ticks were compared with plain ticks of another
+        spell, and a machine 10% slower while `auto` decided held speculation back before it found anything to
+        propose (a code answer that prompt lookup alone speeds up 1.56x, at 1.04x: docs/results.md). Where plain
+        ticks are too few to tell their host work, or the decode was not timed, as seen, less `slack`: the decided
+        ticks that then bound plain's rate from below are these same ticks, as seen, and speculation's evidence
+        held against them was a coin toss on the one tick that differs."""
+        plain = self.plain.get(sequences)
+        if plain is None or plain.count < MIN_PLAIN or plain.decode <= 0 or plain.rate <= 0 or decode <= 0:
+            return seconds * (1.0 - slack)
+        share = seconds / (decode * plain.seconds / plain.decode)  # this tick against a plain tick now
+        return sequences / plain.rate * max(share - slack, share / 2)
 
     def next_tick(self) -> None:
         """The scheduler's tick ended (counted or not): the decisions made in it are the next tick's rows'."""
         self.tick += 1
         self._rows_decided, self._deciding, self._switching = self._deciding, False, 0.0
         self._rows_learning, self._learning = self._learning, False
+        self._rows_probed, self._probing = self._probing, False
 
     def pays(self, sequences: int) -> bool | None:
         """Whether speculating ticks delivered at least (1 - MARGIN) x the plain ones' tokens per second at
@@ -347,18 +381,23 @@ class Realised:
         if spec is not None and self._held.get(sequences) == spec.last_tick:  # held back: only a probe may speculate
             # (Only a probe's evidence can change that, so the rates are not judged again at each held-back tick:
             # where speculation does not pay that is nearly every tick, and on a fast device a share of the step.)
-            return self._probe(sequences, spec) and not self.plain_due(sequences)
-        if self.plain_due(sequences):
+            probe = self._probe(sequences, spec) and not self.plain_due(sequences)
+        elif self.plain_due(sequences):
             return False
-        if self.pays(sequences) is False:
+        elif self.pays(sequences) is False:
             self._held[sequences] = spec.last_tick  # type: ignore[union-attr]
-            return self._probe(sequences, spec)  # type: ignore[arg-type]
-        return True
+            probe = self._probe(sequences, spec)  # type: ignore[arg-type]
+        else:
+            return True
+        self._probing |= probe
+        return probe
 
     def _probe(self, sequences: int, spec: _Rate) -> bool:
         """Whether this tick probes speculation held back at this batch size: one tick in STALE may (the same
-        ticks for every sequence), once its evidence is older than STALE ticks, and the last probe (counted or
-        not: an option still being learnt) older than `probe_interval`."""
+        ticks for every sequence), once its evidence is older than STALE ticks, and the last probe older than
+        `probe_interval`. A probe's rows count even where the option chosen is still being learnt: held back,
+        options are not taken, so they stay being learnt, and probes that chose one were never counted (held
+        back for the rest of a code answer that prompt lookup speeds up 1.7x: docs/results.md)."""
         if self.tick % STALE != STALE // 2 or self.tick - spec.last_tick <= STALE:
             return False
         last = self._last_speculated.get(sequences)

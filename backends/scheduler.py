@@ -201,7 +201,7 @@ class Scheduler:
             verdict = realised.pays(self.load.sequences) if log is not None else None
             switching = realised.switched
             kind = "prompt" if self._prompt else \
-                realised.add(self.load.sequences, self._speculated, self._tokens, seconds)
+                realised.add(self.load.sequences, self._speculated, self._tokens, seconds, self._decoding[0])
             if log is not None:
                 log.tick(realised.tick, self.load.sequences, self.load.rows, kind, verdict, self._tokens, seconds,
                          switching, self.target_lane.ctx.threads if self.target_lane is not None else None,

@@ -12,8 +12,8 @@ from typing import Callable
 import pytest
 
 from backends.engine import Engine, EngineConfig
-from backends.realised import (DECAY, KEPT_FOR, MIN_GROSS, MIN_PLAIN, MIN_SPECULATED, PLAIN_EVERY, PROBE_SHARE, STALE,
-                               Realised)
+from backends.realised import (DECAY, DECIDE_SLACK, KEPT_FOR, MIN_GROSS, MIN_PLAIN, MIN_SPECULATED, PLAIN_EVERY,
+                               PROBE_SHARE, STALE, Realised)
 from backends.sampling import GenParams
 from backends.scheduler import Scheduler
 from backends.slot import Learnt
@@ -48,6 +48,46 @@ def test_a_hold_back_lasts_until_speculations_own_new_evidence_not_while_plain_t
     assert r.pays(1) is False and not r.allows(1), "judged again: still slower"
     _ticks(r, 1, 1, True, 3, 0.0023)  # a later probe finds it paying
     assert r.pays(1) is True and r.allows(1), "released by its own evidence"
+
+
+def _deciding_ticks(r: Realised, n: int, decode: float, host: float) -> None:
+    """Ticks of plain rows that `auto` decided: a step's decode, and its lookups and pricing on top."""
+    for _ in range(n):
+        r.deciding()
+        r.add(1, False, 1, decode + host, decode)
+        r.next_tick()
+
+
+def test_ticks_that_decided_plain_rows_are_judged_by_their_host_work_not_by_the_machines_pace() -> None:
+    """While `auto` looks for proposals and finds none worth a row, its ticks are plain rows and its work on top.
+    Counted as seen, they were compared with plain ticks of another spell: here the machine is 10% slower while
+    `auto` decides, and speculation was held back (before it found a code answer's repeats, which prompt lookup
+    alone speeds up 1.56x). Their decode is a plain tick's of now, so their host work is what is judged: 1% of a
+    step passes, whatever the machine's pace, and 10% of one is held back, even where a faster spell hides it."""
+    for pace, host, pays in ((1.10, 0.0003, True), (0.90, 0.003, False), (1.0, 0.0003, True)):
+        r = Realised()
+        for _ in range(int(MIN_PLAIN) + 2):  # plain: a 30 ms decode and 0.3 ms of host work
+            r.add(1, False, 1, 0.0303, 0.030)
+            r.next_tick()
+        _deciding_ticks(r, 20, 0.030 * pace, 0.0003 + host)
+        assert r.speculated[1].count >= MIN_SPECULATED
+        assert r.pays(1) is pays, (pace, host)
+        assert r.allows(1) is pays or r.plain_due(1)
+        raw = 1 / (0.030 * pace + 0.0003 + host)  # as seen: the old verdict, the other way round
+        assert (raw >= r.plain[1].rate) is not pays, (pace, host)
+    # Where plain ticks are too few to tell their host work (or a decode was not timed), they count as seen, less
+    # the slack: the decided ticks, a lower bound of plain's rate, are these same ticks, and speculation's
+    # evidence was held back or not on the one tick that differs (the first, which only decided the next rows).
+    for first in (0.025, 0.035):
+        r = Realised()
+        r.add(1, False, 1, 0.0303, 0.030)
+        r.next_tick()
+        r.deciding()
+        r.add(1, False, 1, first, first)
+        r.next_tick()
+        _deciding_ticks(r, 10, 0.030, 0.001)
+        assert r.speculated[1].rate == pytest.approx(1 / 0.031 / (1 - DECIDE_SLACK))
+        assert r.decided[1].count > r.speculated[1].count and r.pays(1) is True, first
 
 
 def test_decided_ticks_of_another_spell_do_not_bar_speculation() -> None:
@@ -187,8 +227,9 @@ def test_held_back_speculation_is_probed_and_resumes_when_the_machine_changes() 
 
 def test_held_back_probes_are_spaced_by_what_they_cost() -> None:
     """A probe that costs many plain ticks (a large tree on a steep curve) is made seldom enough that probes take
-    about PROBE_SHARE of the time beyond what they deliver, counted or not (an option still being learnt chose its
-    rows); one that costs about a plain tick, as often as before."""
+    about PROBE_SHARE of the time beyond what they deliver, whether or not an option still being learnt chose its
+    rows (a probe's rows count either way: held back, options are not taken and stay being learnt, and probes
+    that chose one were never counted); one that costs about a plain tick, as often as before."""
     for probe_seconds, learnt in ((0.2, False), (0.2, True), (0.021, False)):  # ten plain ticks' time for one token
         r = Realised()
         _ticks(r, 30, 1, False, 1, 0.02)
@@ -196,10 +237,10 @@ def test_held_back_probes_are_spaced_by_what_they_cost() -> None:
         assert r.pays(1) is False and not r.allows(1)
         probes, spent, ticks, probing = 0, 0.0, 40 * STALE, False
         for _ in range(ticks):
-            if probing:  # the rows a probe chose in the tick before (by an option still being learnt: not counted)
+            if probing:  # the rows a probe chose in the tick before (by an option still being learnt or not)
                 probes += 1
                 spent += probe_seconds - 0.02  # beyond the plain tick it stands for
-                assert r.add(1, True, 1, probe_seconds) == ("learning" if learnt else "speculated")
+                assert r.add(1, True, 1, probe_seconds) == "speculated"
             else:
                 r.add(1, False, 1, 0.02)
             probing = r.allows(1)
@@ -400,7 +441,7 @@ def test_a_record_of_many_ticks_round_trips_too() -> None:
     _ticks(r, 400, 1, False, 1, 0.02)
     _ticks(r, 20, 1, True, 2, 0.03)
     entry = json.loads(json.dumps(r.to_json()))
-    assert entry["plain"]["1"][2] == pytest.approx(1 / (1 - DECAY), abs=1e-3)
+    assert entry["plain"]["1"][3] == pytest.approx(1 / (1 - DECAY), abs=1e-3)
     again = Realised.from_json(entry)
     assert set(again.plain) == set(again.speculated) == {1}
     assert again.plain[1].rate == pytest.approx(50.0, rel=1e-5) and again.pays(1) is r.pays(1) is True
@@ -451,11 +492,12 @@ def test_a_stale_or_malformed_record_is_ignored() -> None:
     entry = _losing_at_2().to_json()
     now = entry["saved_at"]
     bad = [
-        None, [], {}, {**entry, "format": 2}, {**entry, "format": 4}, {**entry, "tick": -1}, {**entry, "tick": 1.5}, {**entry, "plain": []},
-        {**entry, "plain": {"0": [1, 1, 1, 0]}}, {**entry, "plain": {"x": [1, 1, 1, 0]}},
-        {**entry, "plain": {"2": [1, 1, 1]}}, {**entry, "plain": {"2": [1, -1, 1, 0]}},
-        {**entry, "plain": {"2": [1, float("nan"), 1, 0]}}, {**entry, "plain": {"2": [1, 1, 1, entry["tick"] + 1]}},
-        {**entry, "plain": {"2": [1, 1, 1e9, 0]}}, {k: v for k, v in entry.items() if k != "speculated"},
+        None, [], {}, {**entry, "format": 3}, {**entry, "format": 5}, {**entry, "tick": -1}, {**entry, "tick": 1.5},
+        {**entry, "plain": []}, {**entry, "plain": {"0": [1, 1, 0, 1, 0]}}, {**entry, "plain": {"x": [1, 1, 0, 1, 0]}},
+        {**entry, "plain": {"2": [1, 1, 1, 0]}}, {**entry, "plain": {"2": [1, -1, 0, 1, 0]}},
+        {**entry, "plain": {"2": [1, float("nan"), 0, 1, 0]}}, {**entry, "plain": {"2": [1, 1, 0, 1, entry["tick"] + 1]}},
+        {**entry, "plain": {"2": [1, 1, 0, 1e9, 0]}}, {**entry, "plain": {"2": [1, 1, 2, 1, 0]}},
+        {k: v for k, v in entry.items() if k != "speculated"},
         {k: v for k, v in entry.items() if k != "decided"},
         {**entry, "saved_at": None},
     ]

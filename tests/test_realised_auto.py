@@ -42,9 +42,10 @@ def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(
         switches.append((self.tick, seconds))
         switching(self, seconds)
 
-    def spy_add(self: Realised, sequences: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def spy_add(self: Realised, sequences: int, speculated: bool, tokens: int, seconds: float,
+                decode: float = 0.0) -> None:
         ticks[self.tick] = (seconds, self._switching)
-        add(self, sequences, speculated, tokens, seconds)
+        add(self, sequences, speculated, tokens, seconds, decode)
 
     monkeypatch.setattr(Realised, "switching", spy_switching)
     monkeypatch.setattr(Realised, "add", spy_add)

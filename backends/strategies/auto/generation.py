@@ -59,6 +59,9 @@ SOURCES = {DRAFT: "draft", LOOKUP: "lookup", MEMORY: "memory", PLAIN: "target"} 
 # (docs/results.md, "A GPU").
 DRAFT_MIN_BEST = 1.05
 HELD = Choice(PLAIN, why=HELD_BACK)  # every held-back step's choice (it is never changed)
+# Before the device's cost is known (a new machine's first answer: measured after it, `measure_after`) nothing can
+# pay as priced, so nothing is looked up either: `ar`'s step, and a plain tick for the realised check.
+UNPRICED = Choice(PLAIN, why="plain — this machine's costs are measured once this answer ends")
 
 
 class Generation:
@@ -144,8 +147,11 @@ class Generation:
         realised = self.slot.load.realised
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
+        elif self.costs.curve is None:  # nothing is priced to pay: no lookups, and `ar`'s step
+            yield from self._held_back(t0, UNPRICED)
+            return
         elif not realised.allows(self.costs.batch()[0]):  # held back: no lookups, and `ar`'s step
-            yield from self._held_back(t0)
+            yield from self._held_back(t0, HELD)
             return
         else:
             realised.deciding()  # what this costs counts with speculation's ticks (backends.realised)
@@ -194,19 +200,20 @@ class Generation:
             if (decoded := len(self.draft.tokens) - kept) > 1:  # what a caught-up token costs, for later catch-ups
                 self.costs.learn(st.catch_up, seconds / decoded)
 
-    def _held_back(self, t0: float) -> Iterator[object]:
-        """A plain step where the realised check holds speculation back (backends.realised): `ar`'s own step, and
+    def _held_back(self, t0: float, choice: Choice) -> Iterator[object]:
+        """A plain step where the realised check holds speculation back (backends.realised), or where nothing is
+        priced yet (`UNPRICED`): `ar`'s own step, and
         of the bookkeeping only what the exploration schedule and the timings need. Where speculation does not
         pay, this is nearly every step `auto` takes, and on a fast device each microsecond of it is a share of
         the step: the general path (a new Choice, a chain of none, a timing check per figure learnt) cost it a
         fifth more host time over `ar`'s step than this does (docs/results.md, "A fast step")."""
         run, st = self.run, self.state
         self.proposals = self._none
-        self._count(HELD)
+        self._count(choice)
         before = len(run.output)
         t1 = time.perf_counter()
         self.decide_seconds += t1 - t0
-        yield from plain_step(run, self.target, HELD_BACK)
+        yield from plain_step(run, self.target, choice.why)
         t2 = time.perf_counter()
         self._rows(1)
         tokens = len(run.output) - before
