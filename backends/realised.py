@@ -168,7 +168,9 @@ PREDICTED_MARGIN = 0.15
 # What a process kept is taken by the next for a week at most, as the lanes' live curves (backends.live_cost:
 # the rates describe the machine as it was used, and the first new evidence of their kind replaces them).
 KEPT_FOR = 7 * 24 * 3600.0
-FORMAT = 4  # 4: each rate's decode seconds; 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1 counted them plain)
+# 4: each rate's decode seconds; 3: the decided ticks kept apart too; 2: plain evidence without `auto`'s decisions (1
+# counted them plain)
+FORMAT = 4
 KINDS = ("plain", "speculated", "decided")
 
 
