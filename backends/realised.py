@@ -140,8 +140,9 @@ MIN_SPECULATED = 8.0
 MIN_PLAIN = 4.0
 # A tick of plain rows that `auto` chose counts for speculation at the plain rate, longer by its host work beyond
 # plain ticks' less this share of a plain tick (`_as_plain`): deciding that costs less than this is not held back.
-# Looking up proposals and pricing them costs 0.2-0.5 ms a token where a step takes 30 ms (0.6-1.5%); on a fast
-# device's 1.5-2.2 ms step it is 8-11%, and held back there (docs/results.md, "Ticks that decided plain rows").
+# Looking up proposals and pricing them cost 0.2-0.5 ms a token where a step took 30 ms (0.6-1.5%); on a fast
+# device's 1.5-2.2 ms step that is several times the slack, and held back there as before (the 4-layer cut alone:
+# docs/results.md, "Ticks that decided plain rows").
 DECIDE_SLACK = 0.02
 # A gross loss (speculating ticks at less than GROSS x the plain rate) is judged after MIN_GROSS ticks: a burst
 # of eight clients whose first ticks took five times a plain tick's time and delivered 0.55-0.7x its rate ran

@@ -202,11 +202,11 @@ class Generation:
 
     def _held_back(self, t0: float, choice: Choice) -> Iterator[object]:
         """A plain step where the realised check holds speculation back (backends.realised), or where nothing is
-        priced yet (`UNPRICED`): `ar`'s own step, and
-        of the bookkeeping only what the exploration schedule and the timings need. Where speculation does not
-        pay, this is nearly every step `auto` takes, and on a fast device each microsecond of it is a share of
-        the step: the general path (a new Choice, a chain of none, a timing check per figure learnt) cost it a
-        fifth more host time over `ar`'s step than this does (docs/results.md, "A fast step")."""
+        priced yet (`UNPRICED`): `ar`'s own step, and of the bookkeeping only what the exploration schedule and
+        the timings need. Where speculation does not pay, this is nearly every step `auto` takes, and on a fast
+        device each microsecond of it is a share of the step: the general path (a new Choice, a chain of none, a
+        timing check per figure learnt) cost it a fifth more host time over `ar`'s step than this does
+        (docs/results.md, "A fast step")."""
         run, st = self.run, self.state
         self.proposals = self._none
         self._count(choice)
