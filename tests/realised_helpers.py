@@ -13,7 +13,6 @@ def _ticks(realised: Realised, n: int, sequences: int, speculated: bool, tokens:
         realised.next_tick()
 
 
-
 def _drive(r: Realised, ticks: int, sequences: int, tick: Callable[[str], tuple[int, float]]) -> list[str]:
     """Ticks as the scheduler runs them under `auto`: each decodes the rows its sequences chose in the tick
     before, and in it they choose the next tick's (allowed to: they decide, `deciding`). `tick(rows)` gives the
