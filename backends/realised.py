@@ -48,7 +48,16 @@ fewer than backends.strategies.auto.decide's SETTLE_STEPS times on the
 engine): its estimates are near their priors, its first chains short, and
 judged on them the check held the Q8_0 draft back at 1.0x plain in runs
 where, learnt, it delivers 1.4x (held back, the estimates never learn).
-Exploration's price is bounded by those steps, once per engine.
+Exploration's price is bounded by those steps, once per engine. Nor are
+a try's ticks (an option the estimates call worse, taken now and then to
+keep its estimate fresh, at most `auto`'s exploration budget): it loses by
+design. Such ticks count where they delivered more than plain ticks do
+(`_gained`): their losses are exploration's, their gains speculation's.
+Left out whole, prompt lookup's first 32 steps (chains of 7-13 tokens at
+2-3x plain) were missing from speculation's rate, and the ticks that found
+nothing to propose judged it alone: a coin toss at a tie, which held the
+Gemma pair back for the rest of a run (docs/results.md). A probe's rows
+count whatever chose them.
 
 A tick where nobody speculated but `auto` decided (its rows or, within it,
 the next tick's) is no plain evidence, yet it bounds the plain rate from
@@ -272,8 +281,8 @@ class Realised:
         self._switching = max(self._switching, seconds)
 
     def learning(self) -> None:
-        """A sequence chose its next rows with an option whose estimates are still being learnt: the tick they run
-        in is exploration's, not counted."""
+        """A sequence chose its next rows with an option whose estimates are still being learnt, or tries one its
+        estimates call worse: the tick they run in is exploration's, not counted."""
         self._learning = True
 
     @property
@@ -281,18 +290,28 @@ class Realised:
         """Seconds of this tick's catch-ups so far (`switching`): left out of its time."""
         return self._switching
 
-    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float, decode: float = 0.0) -> str:
-        """This tick at this batch size: did anyone speculate, how many tokens it committed, how long it took (of
-        which `decode` in the target's decode; 0: not known). Plain evidence only where nobody decided this
-        tick's rows nor, within it, the next tick's; decided evidence where nobody speculated but someone
-        decided, counted in the plain rate's spell (`_as_plain`). Returns what it was counted as (the kinds,
-        joined by "+"; "learning" or "" where it was not: backends.tick_log)."""
+    def add(self, sequences: int, speculated: bool, tokens: int, seconds: float, decode: float = 0.0,
+            verified: bool = True) -> str:
+        """This tick at this batch size: did anyone speculate (draft or verify), how many tokens it committed, how
+        long it took (of which `decode` in the target's decode; 0: not known), and whether its target batch
+        verified proposals. Plain evidence only where nobody decided this tick's rows nor, within it, the next
+        tick's; decided evidence where nobody speculated but someone decided, counted in the plain rate's spell
+        (`_as_plain`). A tick whose draft phase caught a draft up (`switching`) and whose target batch verified
+        nothing is neither kind: the switch is left out of its time, but the target decode after the draft's
+        prompt ran on caches that prompt had taken (the Gemma pair: 45.7 ms against a plain tick's 37.4), and
+        counted as speculation's, the second tick of every answer weighed against it: one such tick after a
+        57-token prompt held the Gemma pair back for the rest of a run (docs/results.md, "Exploration's gains
+        counted"). Returns what it was counted as (the kinds, joined by "+"; "learning", "switch" or "" where it
+        was not: backends.tick_log)."""
+        if speculated and not verified and self._switching > 0:
+            return "switch"
         seconds -= self._switching
         if seconds <= 0:
             return "learning" if self._rows_learning else ""
         if speculated or self._rows_decided:  # what a probe costs, counted or not (an option still learnt)
             self._last_speculated[sequences] = (tokens, seconds, self.tick)
-        if self._rows_learning and not self._rows_probed:
+        if self._rows_learning and not self._rows_probed and not (speculated and self._gained(sequences, tokens,
+                                                                                            seconds)):
             return "learning"
         decided = self._rows_decided or self._deciding
         if speculated or self._rows_decided:
@@ -309,6 +328,19 @@ class Realised:
                 counted = self._as_plain(sequences, seconds, decode, DECIDE_SLACK if kind == "speculated" else 0.0)
             getattr(self, kind).setdefault(sequences, _Rate()).add(tokens, counted, self.tick, decode)
         return "+".join(kinds)
+
+    def _gained(self, sequences: int, tokens: int, seconds: float) -> bool:
+        """Whether a tick delivered more than plain ticks deliver at this batch size (as measured, else as the live
+        curve predicts them). Exploration's ticks are left out of the check for their losses, which their priors
+        and tries cause; their gains are speculation's evidence all the same. Left out whole, the ticks that paid
+        (prompt lookup's first 32 steps, chains of 7-13 tokens at 2-3x plain) were missing from speculation's
+        rate, and the ticks that found nothing to propose judged it alone: a coin toss at a tie, which held the
+        Gemma pair back for the rest of a run (docs/results.md, "Exploration's gains counted")."""
+        plain = self.plain.get(sequences)
+        if plain is not None and plain.count >= MIN_PLAIN and plain.rate > 0:
+            return tokens / seconds > plain.rate
+        predicted = self._predicted_tick(sequences)
+        return predicted is not None and tokens / seconds > sequences / predicted
 
     def _as_plain(self, sequences: int, seconds: float, decode: float, slack: float) -> float:
         """A tick of plain rows whose work `auto` did (it looked up proposals and priced them, or decided the next

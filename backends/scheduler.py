@@ -85,7 +85,8 @@ class Scheduler:
         self.ticks = 0
         self._tick_log = TickLog.from_env()  # SPECCHAT_TICK_LOG: every tick, for measuring (backends.tick_log)
         self._tokens = 0  # tokens committed in this tick
-        self._speculated = self._prompt = False  # whether this tick verified proposals, decoded a prompt chunk
+        # Whether this tick verified proposals, ran a draft phase, decoded a prompt chunk.
+        self._speculated = self._drafted = self._prompt = False
         self._decoding = [0.0, 0.0]  # seconds this tick spent in llama_decode: the target's lane, the others'
 
     def __len__(self) -> int:
@@ -152,7 +153,7 @@ class Scheduler:
         if target:
             self.load.sequences, self.load.rows = len(batch), used
         else:
-            self._speculated = True  # a draft phase
+            self._drafted = True  # a draft phase
         return [a for a in waiting if a.pending is None]
 
     def _by_lane(self, order: list[_Active], inner: bool) -> dict[int, tuple[Lane, list[_Active]]]:
@@ -173,7 +174,7 @@ class Scheduler:
         time and could never beat plain decoding.)
         """
         t0 = time.perf_counter()
-        self._tokens, self._speculated, self._prompt = 0, False, False
+        self._tokens, self._speculated, self._drafted, self._prompt = 0, False, False, False
         self._decoding = [0.0, 0.0]
         self._active = [a for a in self._active if a.pending is not None or self._advance(a)]
         if not self._active:
@@ -201,7 +202,8 @@ class Scheduler:
             verdict = realised.pays(self.load.sequences) if log is not None else None
             switching = realised.switched
             kind = "prompt" if self._prompt else \
-                realised.add(self.load.sequences, self._speculated, self._tokens, seconds, self._decoding[0])
+                realised.add(self.load.sequences, self._speculated or self._drafted, self._tokens, seconds,
+                             self._decoding[0], verified=self._speculated)
             if log is not None:
                 log.tick(realised.tick, self.load.sequences, self.load.rows, kind, verdict, self._tokens, seconds,
                          switching, self.target_lane.ctx.threads if self.target_lane is not None else None,

@@ -13,8 +13,9 @@ than plain decoding's. With SPECCHAT_TICK_LOG naming a file, every scheduler
 
 `kind` is what the realised check counted the tick as ("speculated",
 "plain", "decided", "speculated+decided", as backends.realised.Realised.add
-returns it; "learning" where an option still being learnt chose its rows,
-"prompt" for a prompt chunk, which is not counted), `verdict` what
+returns it; "learning" where an option still being learnt, or a try, chose
+its rows, "switch" where a draft only caught up and nothing was verified,
+"prompt" for a prompt chunk: these are not counted), `verdict` what
 `Realised.pays` said at that batch size before the tick was counted (None:
 not enough evidence to judge), `threads` what the target's decodes ran with
 at the tick's end (backends.thread_count), `decode` and `draft` the seconds

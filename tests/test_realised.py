@@ -327,6 +327,37 @@ def test_the_ticks_an_option_still_being_learnt_chose_are_not_counted() -> None:
     assert r.speculated[1].count == 1 and r.speculated[1].tokens == 5
 
 
+def test_exploration_ticks_that_gained_count_and_those_that_lost_do_not() -> None:
+    """Exploration's ticks are left out for their losses (priors, tries), not for their gains: a tick of an option
+    still being learnt that delivered more than plain ticks do is speculation's evidence. Left out, the ticks that
+    paid were missing, and those that found nothing to propose judged speculation alone."""
+    r = Realised()
+    for _ in range(5):
+        assert r.add(1, False, 1, 0.02) == "plain"  # 50 tok/s
+        r.next_tick()
+    for tokens, counted in ((1, "learning"), (6, "speculated"), (2, "learning")):  # 20, 120, 40 tok/s
+        r.deciding()
+        r.learning()
+        r.next_tick()
+        assert r.add(1, True, tokens, 0.05) == counted, tokens
+    assert r.speculated[1].count == 1 and r.speculated[1].tokens == 6
+
+
+def test_a_tick_whose_draft_only_caught_up_counts_as_neither_kind() -> None:
+    """A tick whose draft phase was a switch (the draft catching up) and whose target batch verified nothing is not
+    evidence; one that verified is, less the switch."""
+    r = Realised()
+    r.switching(0.05)
+    assert r.add(1, True, 1, 0.08, verified=False) == "switch"
+    assert not r.observed
+    r.next_tick()
+    r.switching(0.05)
+    assert r.add(1, True, 3, 0.08, verified=True) == "speculated"
+    assert r.speculated[1].seconds == pytest.approx(0.03)
+    r.next_tick()
+    assert r.add(1, True, 1, 0.05, verified=False) == "speculated", "a draft phase of its own: speculation's cost"
+
+
 def test_the_scheduler_records_plain_and_speculating_ticks_but_not_prompt_chunks(tiny) -> None:
     engine = Engine(EngineConfig(target=tiny.target, draft=tiny.draft, n_ctx=512, threads=1, n_seq_max=8,
                                  n_parallel=2, cost_cache=Path("")))

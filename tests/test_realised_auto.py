@@ -18,7 +18,7 @@ from backends.sampling import GenParams
 from backends.scheduler import Scheduler, run_alone
 from backends.steps import PAUSE
 from backends.strategies.auto import AutoDecoding
-from backends.strategies.auto.choose import HELD_BACK
+from backends.strategies.auto.choose import HELD_BACK, TRYING
 from backends.strategies.auto.decide import DRAFT, SETTLE_STEPS
 from backends.strategies.auto.generation import Generation
 from backends.strategies.auto.state import AutoState
@@ -31,11 +31,17 @@ from test_realised import _ticks
 def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(tiny, monkeypatch) -> None:
     """Real llama.cpp, `auto` alone with a draft and a 300-token prompt: after the first token the draft takes
     the prompt (generation.Generation.step), in the next tick, which reports it as a switch; the tick's time
-    includes it (the catch-up ran within that tick) and its counted time does not."""
+    includes it (the catch-up ran within that tick). Its target batch verified nothing (no lookups, and draft
+    steps measured at half plain decoding's rate): it counts as neither kind, as the decode after the draft's
+    prompt ran on caches that prompt took."""
     engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
                                                            0.2))  # a draft a fifth of the target's cost
+    options = StrategyOptions(memory=False, auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.0))
+    state = engine.auto_states["greedy"]
+    state.draft_step_tokens.add(1.0)  # in plain steps: still to be tried early, so in use, but not taken
+    state.draft_step_cost.add(2.0)
     switches: list[tuple[int, float]] = []
-    ticks: dict[int, tuple[float, float]] = {}  # tick: (its time, its catch-ups)
+    ticks: dict[int, tuple[float, float, bool, str]] = {}  # tick: (its time, its catch-ups, verified, counted as)
     switching, add = Realised.switching, Realised.add
 
     def spy_switching(self: Realised, seconds: float) -> None:
@@ -43,21 +49,26 @@ def test_the_draft_taking_its_prompt_alone_is_left_out_of_the_tick_that_paid_it(
         switching(self, seconds)
 
     def spy_add(self: Realised, sequences: int, speculated: bool, tokens: int, seconds: float,
-                decode: float = 0.0) -> None:
-        ticks[self.tick] = (seconds, self._switching)
-        add(self, sequences, speculated, tokens, seconds, decode)
+                decode: float = 0.0, verified: bool = True) -> str:
+        caught_up = self._switching
+        kind = add(self, sequences, speculated, tokens, seconds, decode, verified=verified)
+        ticks[self.tick] = (seconds, caught_up, verified, kind)
+        return kind
 
     monkeypatch.setattr(Realised, "switching", spy_switching)
     monkeypatch.setattr(Realised, "add", spy_add)
     try:
         prompt = engine.tokenize(" ".join(["the cat sat on the mat and once upon a time there was"] * 40))[:300]
         # (an answer of 256 tokens repays the catch-up: choose.EAGER_SHARE, as in test_auto)
-        pool_run(engine, [("auto", prompt)], GenParams(max_tokens=256, temperature=0.0, ignore_eos=True))
+        pool, _ = pool_run(engine, [("auto", prompt)], GenParams(max_tokens=256, temperature=0.0, ignore_eos=True),
+                           options)
         assert len(engine.slots[0].draft.tokens) >= len(prompt) - 1, "the draft took the prompt"
         assert switches, "reported as a switch"
         tick, seconds = switches[0]
         assert tick <= 3 and seconds > 0, switches
         assert ticks[tick][1] == seconds and ticks[tick][0] > seconds, "within the tick that reported it"
+        assert not ticks[tick][2] and ticks[tick][3] == "switch", ticks[tick]
+        assert pool.scheduler.load.realised.decided, "the ticks after it count"
     finally:
         engine.close()
 
@@ -205,6 +216,32 @@ def test_an_options_first_steps_on_an_engine_are_exploration_and_later_ones_are_
         assert marked == [SETTLE_STEPS - 3, SETTLE_STEPS - 2, SETTLE_STEPS - 1], marked
         counted = pool.scheduler.load.realised.speculated[1].count
         assert 0 < counted, "the later draft steps' ticks are judged"
+    finally:
+        engine.close()
+
+
+def test_a_try_of_an_option_is_exploration_not_evidence(tiny, monkeypatch) -> None:
+    """Real llama.cpp, `auto` with a draft long settled whose steps were measured at half plain decoding's rate, and
+    a try of it due: the try's tick is exploration's (a try is of an option the estimates call worse: it loses by
+    design), as the ticks of an option still being learnt are, and no other step marks its tick."""
+    engine = synthetic_engine(tiny, tiny.draft, DeviceCost(BatchCost(tuple(0.01 * (1 + 0.1 * k) for k in range(16))),
+                                                           0.2))
+    options = StrategyOptions(memory=False, auto=AutoConfig(lookup=False, lookahead=False, explore_budget=0.2))
+    state = engine.auto_states["greedy"]
+    state.taken[DRAFT] = 10 * SETTLE_STEPS
+    state.since[DRAFT] = 1 << 20  # a try is due
+    state.draft_step_tokens.add(1.0)
+    state.draft_step_cost.add(2.0)
+    marks: list[int] = []
+    learning = Realised.learning
+    monkeypatch.setattr(Realised, "learning", lambda self: marks.append(self.tick) or learning(self))
+    try:
+        params = GenParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        _, (events,) = pool_run(engine, [("auto", engine.tokenize("the cat sat on the mat"))], params, options)
+        steps = [e for e in events if isinstance(e, StepEnd)]
+        tries = sum((e.why or "").endswith(TRYING) for e in steps)
+        assert tries >= 1 and any(e.choice == "plain" for e in steps), [e.why for e in steps]
+        assert len(marks) == tries, (marks, tries)
     finally:
         engine.close()
 

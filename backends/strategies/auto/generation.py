@@ -161,8 +161,11 @@ class Generation:
                 lookup = run.valid_prefix(lookup)
             choice = self.decide(lookup, match, self._candidates(lookup, match))
             learning = being_learnt(choice.option, st.taken)
-            if learning:
-                realised.learning()  # exploration's price, bounded by SETTLE_STEPS: not the check's to judge
+            if learning or choice.explore:
+                # Exploration's price, bounded by SETTLE_STEPS and by the exploration budget: its losses are not the
+                # check's to judge (its gains are: backends.realised). A try is of an option the estimates call
+                # worse, so it loses by design: counted, every try would weigh against the options that pay.
+                realised.learning()
         self.decide_seconds += time.perf_counter() - t0
         self._count(choice)
         before = len(run.output)
