@@ -282,6 +282,33 @@ def test_the_stream_times_each_answers_plain_steps() -> None:
     assert finished.live.generated == 7 and finished.live.strategy == "auto"
 
 
+def test_a_plainly_decoded_answer_is_its_own_baseline_when_its_last_events_come_late() -> None:
+    """The engine hands a step's events on only after what it does before its next request: after an answer's
+    last step, on a new machine, `auto` measures the device (seconds). The plain steps are timed by the engine
+    (StepEnd.seconds), so that wait is not plain decoding's: timed by this thread's clock, a first answer decoded
+    plainly throughout read 1.47x against its own plain steps in the chat app."""
+    now = [0.0]
+
+    def late():
+        yield Prefilled(n_tokens=3, n_cached=0, seconds=0.0)
+        for i in range(40):
+            yield Token(i, "a", TARGET)
+            now[0] += 0.03 + (3.0 if i == 39 else 0.0)  # the device measured before the last step's events
+            yield StepEnd(drafted=0, accepted=0, seconds=0.03, choice="plain")
+        yield Done(reason="length", tokens=(), text="", stats=GenStats(
+            "auto", prompt_tokens=3, prompt_cached=0, prompt_seconds=0.0, generated_tokens=40, decode_seconds=1.2,
+            target_forwards=40, drafted=0, accepted=0))
+
+    posted: list[object] = []
+    stream_events("auto", late(), posted.append, lambda: 10.0, clock=lambda: now[0])
+    finished = posted[-1]
+    assert isinstance(finished, TurnFinished)
+    baseline = PlainBaseline()
+    baseline.turn(finished.live)
+    assert baseline.value == pytest.approx(40 / 1.2)
+    assert finished.live.tokens_per_second / baseline.value == pytest.approx(1.0)
+
+
 def _live(strategy: str, generated: int, seconds: float, plain_tokens: int = 0, plain_seconds: float = 0.0):
     return LiveStats(strategy, generated, 0, 0, generated, seconds, plain_tokens=plain_tokens,
                      plain_seconds=plain_seconds)
