@@ -204,8 +204,9 @@ def stats_lines(stats: GenStats, reason: str) -> list[str]:
         )
     total = sum(stats.tokens_by_source.values())
     if total and set(stats.tokens_by_source) != {"target"}:
-        lines.append("tokens by source: " + ", ".join(f"{k} {100 * v / total:.0f}%"
-                                                     for k, v in sorted(stats.tokens_by_source.items())))
+        lines.append("tokens by source: " + ", ".join(
+            f"{k} {100 * v / total:.0f}%" if 100 * v >= total else f"{k} <1%"  # a token at least: never "0%"
+            for k, v in sorted(stats.tokens_by_source.items())))
     if len(stats.steps_by_choice) > 1 or stats.strategy == "auto":
         lines.append("steps by choice: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.steps_by_choice.items())))
     if stats.extra:

@@ -240,3 +240,11 @@ def test_a_chat_template_that_hits_the_sandboxs_limits_is_one_line_naming_the_mo
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and f"bomb-{name}.gguf" in lines[0] and "chat template" in lines[0], r.stderr
         assert "OverflowError" not in lines[0] and "RecursionError" not in lines[0]
+
+
+def test_stats_name_a_source_that_gave_a_token_as_under_one_percent_not_none() -> None:
+    from app.render import stats_lines
+    from backends.events import GenStats
+
+    stats = GenStats("auto", 3, 0, 0.1, 300, 9.0, 290, 2, 1, tokens_by_source={"draft": 1, "lookup": 18, "target": 281})
+    assert "tokens by source: draft <1%, lookup 6%, target 94%" in stats_lines(stats, "length")

@@ -142,6 +142,8 @@ def test_the_stats_bar_names_each_source_in_its_colour() -> None:
 
     asyncio.run(scenario())
     assert share_text([]).plain == ""
+    assert share_text(LiveStats("auto", 300, 2, 1, 290, 9.0, (("draft", 1), ("lookup", 18), ("target", 281)))
+                      .shares()).plain == "draft <1% · lookup 6% · target 94%", "one token of 300 is not none"
 
 
 def test_the_speculation_view_colours_each_drafters_tokens() -> None:

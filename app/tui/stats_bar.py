@@ -24,7 +24,7 @@ def share_text(shares: list[tuple[str, int]]) -> Text:
         if i:
             text.append(" · ")
         text.append(source, style=TRUECOLOR.source_style(source) or None)
-        text.append(f" {pct}%")
+        text.append(f" {pct}%" if pct else " <1%")  # a source listed gave a token at least: never "0%"
     return text
 
 
