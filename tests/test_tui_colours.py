@@ -23,7 +23,7 @@ from textual.theme import BUILTIN_THEMES
 
 from app.render import ANSI, LEGEND, TRUECOLOR, token_style
 from app.tui.stats_bar import StatsBar, legend_markup, share_text
-from app.tui.streaming import LiveStats
+from app.tui.streaming import LiveStats, PlainBaseline
 from app.tui.transcript import AnswerView
 from backends.events import ACCEPTED, REJECTED, TARGET, Source, Token
 from tui_helpers import app_for, char_styles, tiny_settings, wait_loaded
@@ -144,6 +144,32 @@ def test_the_stats_bar_names_each_source_in_its_colour() -> None:
     assert share_text([]).plain == ""
     assert share_text(LiveStats("auto", 300, 2, 1, 290, 9.0, (("draft", 1), ("lookup", 18), ("target", 281)))
                       .shares()).plain == "draft <1% · lookup 6% · target 94%", "one token of 300 is not none"
+
+
+def test_the_stats_bar_shows_a_speedup_only_for_answers_long_enough_to_say_one() -> None:
+    """Pilot: against a baseline, an answer of a few tokens shows its tokens/s and no ratio (the step after the prompt
+    and the one that samples the end weigh on few tokens: a 7-token answer read 0.73x); from PlainBaseline.MIN_TOKENS
+    tokens the ratio is shown."""
+    class Harness(App):
+        def compose(self):
+            yield StatsBar()
+
+    async def scenario() -> None:
+        app = Harness()
+        async with app.run_test(size=(200, 5)) as pilot:
+            bar = app.query_one(StatsBar)
+            short = PlainBaseline.MIN_TOKENS - 1
+            bar.show(label="auto", state="done", live=LiveStats("auto", short, 0, 0, short, short / 20.0),
+                     baseline=25.0)
+            await pilot.pause()
+            line = bar.render_text().plain.split("\n")[-1]
+            assert "20.0 tok/s" in line and "×" not in line, line
+            n = PlainBaseline.MIN_TOKENS
+            bar.show(live=LiveStats("auto", n, 0, 0, n, n / 20.0))
+            await pilot.pause()
+            assert "0.80× vs plain decoding (25.0 tok/s here)" in bar.render_text().plain
+
+    asyncio.run(scenario())
 
 
 def test_the_speculation_view_colours_each_drafters_tokens() -> None:

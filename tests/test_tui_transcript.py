@@ -329,3 +329,16 @@ def test_the_plain_baseline_prefers_ar_turns_then_the_answers_plain_steps_then_t
     assert b.value == pytest.approx(40.0), "the median of the user's own ar turns"
     b.reset()
     assert b.value is None, "a new model starts over"
+
+
+def test_an_answer_with_plain_steps_enough_of_its_own_is_judged_against_them() -> None:
+    """A step grows with the context: a late turn held back to plain steps ran 36-40 ms a step where the first ran
+    29-31, and against the turns before it read 0.94x, as if slower than itself. Its own plain steps ran at its
+    context length; under MIN_TOKENS of them, the session's baseline stands."""
+    b = PlainBaseline()
+    b.turn(_live("ar", 60, 2.0))  # 30 tok/s, early in the conversation
+    late = _live("auto", 100, 4.0, plain_tokens=100, plain_seconds=3.9)
+    assert b.for_answer(late) == pytest.approx(100 / 3.9)
+    assert late.tokens_per_second / b.for_answer(late) == pytest.approx(0.975)
+    few = _live("auto", 100, 2.5, plain_tokens=PlainBaseline.MIN_TOKENS - 1, plain_seconds=1.2)
+    assert b.for_answer(few) == b.value == pytest.approx(30.0)

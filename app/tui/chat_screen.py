@@ -293,7 +293,7 @@ class ChatScreen(Screen):
         self._pacer.arrived()
         if self._answer is not None:
             self._answer.add_tokens(message.tokens, message.thought)
-        self.stats.show(live=message.live)
+        self.stats.show(live=message.live, baseline=self._baseline.for_answer(message.live))
 
     def on_turn_finished(self, message: TurnFinished) -> None:
         done = self.last_done = message.done
@@ -305,7 +305,7 @@ class ChatScreen(Screen):
         stats = done.stats
         if done.reason != "error":
             self._baseline.turn(message.live)
-            self.stats.show(baseline=self._baseline.value)
+            self.stats.show(baseline=self._baseline.for_answer(message.live))
         # A turn stopped before its first token has no figures worth showing.
         last_why = self.stats.live.why if self.stats.live is not None else ""
         live = replace(message.live, why=message.live.why or last_why) if stats.generated_tokens else None
