@@ -35,6 +35,12 @@ class Conversation:
         line = " ".join(first.split())
         return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
 
+    @property
+    def turns(self) -> str:
+        """'1 turn', '3 turns': the user's messages (a turn whose answer was lost still counts)."""
+        n = sum(1 for m in self.messages if m.role == "user")
+        return f"{n} turn" if n == 1 else f"{n} turns"
+
 
 def _message_dict(m: ChatMessage) -> dict[str, str]:
     out = {"role": m.role, "content": m.content}

@@ -142,6 +142,9 @@ def test_conversation_store_lists_newest_first_and_skips_broken_files(tmp_path) 
     assert [c.id for c in listed] == ["c1", "c0"]
     assert listed[0].title == "question 1"
     assert store.load("c0").messages[1].content == "answer"
+    assert listed[0].turns == "1 turn"
+    two = Conversation("c2", "2026-03-01T00:00:00+00:00", "m.gguf", "", listed[0].messages * 2)
+    assert two.turns == "2 turns"
 
 
 @pytest.mark.demo

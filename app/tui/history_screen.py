@@ -25,7 +25,7 @@ class HistoryScreen(ModalScreen[str | None]):
             if not self.conversations:
                 yield Static("No saved conversations yet.")
             options = [
-                Option(f"{c.updated[:16].replace('T', ' ')}  {c.title}  ({len(c.messages) // 2} turns)", id=c.id)
+                Option(f"{c.updated[:16].replace('T', ' ')}  {c.title}  ({c.turns})", id=c.id)
                 for c in self.conversations
             ]
             yield OptionList(*options)
