@@ -140,6 +140,21 @@ def test_demo_command_runs_the_bundled_pair(demo_pair) -> None:
     assert "\x1b[32m" in r.stdout and "strategy sps" in r.stderr and "accepted" in r.stderr
 
 
+@pytest.mark.demo
+def test_the_demo_on_a_new_machine_measures_first_and_speculates_in_its_one_completion(demo_pair, tmp_path) -> None:
+    """`auto` decodes a new machine's first answer plainly and measures the device after it; the demo, there to
+    show speculation, measures first (its first completion on a fresh install was plain: "steps by choice: plain
+    48", no colour)."""
+    (tmp_path / "demo").symlink_to(demo_pair.target.parent)
+    env = {**os.environ, "SPECCHAT_DATA_DIR": str(tmp_path)}  # nothing learnt, as on a fresh install
+    r = subprocess.run([sys.executable, "-m", "app", "demo", "-n", "48", "--stats", "--no-memory"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "measuring this machine's costs" in r.stderr  # (the tests keep no costs: SPECCHAT_COST_CACHE)
+    steps = next(line for line in r.stderr.splitlines() if line.startswith("steps by choice:"))
+    assert steps != "steps by choice: plain 48", steps
+
+
 def test_context_smaller_than_the_batch_does_not_abort(tiny) -> None:
     """llama.cpp lowers n_batch to the requested n_ctx (160) but rounds n_ctx up (256): a
     prompt between the two must be decoded in batches of the real n_batch, not abort."""
