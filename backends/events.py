@@ -72,7 +72,10 @@ class StepEnd:
     """One target forward pass is finished.
 
     `choice` names what the step verified ("plain", "draft", "lookup",
-    "lookahead", "tree"); `why` is `auto`'s reason for it, in words.
+    "lookahead", "tree"); `why` is `auto`'s reason for it, in words; `last`
+    that it ended the answer (its length, an end token or a stop string): what
+    comes next is Done, maybe after work that takes a while (`auto` measuring a
+    new machine), so whoever holds tokens back to batch them hands them on now.
     """
 
     drafted: int
@@ -80,6 +83,7 @@ class StepEnd:
     seconds: float
     choice: str = ""
     why: str = ""
+    last: bool = False
 
 
 @dataclass(frozen=True)

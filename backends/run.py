@@ -201,7 +201,7 @@ class Run:
                 counts[i] += 1
         now = time.perf_counter()
         seconds, self._step_t0 = now - self._step_t0, now
-        return StepEnd(drafted, accepted, seconds, choice, why)
+        return StepEnd(drafted, accepted, seconds, choice, why, last=self.reason is not None or self.room() <= 0)
 
     # -- the end ------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 from backends.config import AutoConfig, StrategyOptions
 from backends.device_cost import BatchCost, DeviceCost
 from backends.engine import Engine, EngineConfig
-from backends.events import Prefilled, StepEnd
+from backends.events import Done, Prefilled, StepEnd, Token
 from backends.kv import common_prefix
 from backends.realised import Realised
 from backends.sampling import GenParams
@@ -347,3 +347,34 @@ def test_a_machine_alone_hands_its_events_on_tick_by_tick_raises_what_it_raises_
     next(events)
     events.close()
     assert log[-1] == "closed" and "step 4" not in log
+
+
+def test_a_new_machines_first_answer_hands_its_last_tokens_on_before_the_device_is_measured(tiny) -> None:
+    """Real llama.cpp: `auto` alone decodes a new machine's first answer plainly and measures the device after it,
+    before Done. A scheduler hands a tick's events on when the tick ends, so measured within the last tick, the
+    answer's last tokens waited for the measurement (the chat app: 2 s of a stalled answer on SmolLM2). It pauses
+    first: every token is with the consumer when the measuring starts, and Done comes after it."""
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=512, threads=1, n_seq_max=8, cost_cache=Path("")))
+    try:
+        slot = engine.slots[0]
+        measure = slot.device_cost
+        received: list[object] = []
+        tokens_when_measured: list[int] = []
+
+        def measured() -> DeviceCost | None:
+            tokens_when_measured.append(sum(1 for e in received if isinstance(e, Token)))
+            return measure()
+
+        slot.device_cost = measured
+        params = GenParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        options = StrategyOptions(memory=False)
+        for event in engine.strategy("auto", options).generate(engine.tokenize("once upon a time there was"), params):
+            received.append(event)
+        done = received[-1]
+        assert isinstance(done, Done) and done.reason == "length" and len(done.tokens) == 12
+        assert tokens_when_measured == [12], tokens_when_measured
+        ends = [e.last for e in received if isinstance(e, StepEnd)]
+        assert ends[-1] and not any(ends[:-1]), "the step that ended the answer says so (StepEnd.last)"
+        assert engine.known_device_cost() is not None, "measured, for the next answer"
+    finally:
+        engine.close()

@@ -342,3 +342,26 @@ def test_an_answer_with_plain_steps_enough_of_its_own_is_judged_against_them() -
     assert late.tokens_per_second / b.for_answer(late) == pytest.approx(0.975)
     few = _live("auto", 100, 2.5, plain_tokens=PlainBaseline.MIN_TOKENS - 1, plain_seconds=1.2)
     assert b.for_answer(few) == b.value == pytest.approx(30.0)
+
+
+def test_the_answers_last_tokens_are_posted_at_its_last_step_not_at_done() -> None:
+    """Between an answer's last step and its Done, `auto` may measure a new machine (seconds): the tokens held back
+    for the next batch are posted at the step that ended the answer (StepEnd.last), not when Done comes."""
+    now = [0.0]
+    posted: list[tuple[float, object]] = []
+
+    def stream():
+        yield Prefilled(n_tokens=3, n_cached=0, seconds=0.0)
+        for i in range(3):
+            yield Token(i, "a", TARGET)
+            now[0] += 0.03
+            yield StepEnd(drafted=0, accepted=0, seconds=0.03, choice="plain", last=i == 2)
+        now[0] += 2.0  # the measurement
+        yield Done(reason="length", tokens=(), text="", stats=GenStats(
+            "auto", prompt_tokens=3, prompt_cached=0, prompt_seconds=0.0, generated_tokens=3, decode_seconds=0.09,
+            target_forwards=3, drafted=0, accepted=0))
+
+    stream_events("auto", stream(), lambda m: posted.append((now[0], m)), lambda: 10.0, clock=lambda: now[0])
+    arrived = [(t, m) for t, m in posted if isinstance(m, TokensArrived)]
+    assert len(arrived) == 1 and arrived[0][0] == pytest.approx(0.09) and len(arrived[0][1].tokens) == 3
+    assert isinstance(posted[-1][1], TurnFinished) and posted[-1][0] == pytest.approx(2.09)

@@ -3,10 +3,11 @@
 A step of speculation can release a burst of tokens in microseconds; posting
 one message per token would flood the UI's queue and steal CPU from
 generation. Tokens are collected and posted at most every `interval` seconds,
-always at a step boundary, plus once at the end. Live stats come from the same
-stream (StepEnd carries drafted/accepted per target forward), so the bar moves
-while the answer streams, in the same frame as the text; the final figures are
-`Done.stats`. For a thinking model, the batch in which the answer starts
+always at a step boundary, and at the answer's last step (StepEnd.last: its
+Done may come seconds later, after `auto` measured a new machine). Live stats
+come from the same stream (StepEnd carries drafted/accepted per target
+forward), so the bar moves while the answer streams, in the same frame as the
+text; the final figures are `Done.stats`. For a thinking model, the batch in which the answer starts
 (its first token after the reasoning's) carries how long the thinking took,
 timed here per token, not per batch.
 
@@ -174,7 +175,7 @@ def stream_events(
             if event.choice == "plain" and not event.drafted:
                 plain_tokens, plain_seconds = plain_tokens + step_tokens, plain_seconds + event.seconds
             step_tokens = 0
-            if pending and now - last_post >= interval():
+            if pending and (now - last_post >= interval() or event.last):  # the answer's end: now, not at Done
                 live = LiveStats(strategy, generated, drafted, accepted, forwards, now - started,
                                  tuple(by_source.items()), why, plain_tokens, plain_seconds)
                 post(TokensArrived(tuple(pending), live, thought))

@@ -68,11 +68,12 @@ def drive(
     prefill: Callable[[], Generator[object, object, int]],
     step: Callable[[], Iterable[object]],
     should_stop: Callable[[], bool],
-    on_done: Callable[[], None] | None = None,
+    on_done: Callable[[], Iterable[object]] | None = None,
 ) -> Steps:
     """The step machine: the prompt's decode (`prefill` returns how many tokens were cached), then steps.
 
-    `on_done` runs before Done is yielded (whoever drives the machine may stop there)."""
+    `on_done` runs before Done is yielded (whoever drives the machine may stop there), as one more step: it may
+    yield requests (a Pause, to have the last step's events handed on before work that takes a while)."""
     try:
         cached = yield from prefill()
         yield run.prefilled(cached)
@@ -83,7 +84,7 @@ def drive(
     else:
         done = run.done()
     if on_done is not None:
-        on_done()
+        yield from on_done()  # type: ignore[misc]
     yield done
 
 

@@ -37,7 +37,7 @@ Greedy output is the target's greedy output; sampled output has its law.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from backends.config import StrategyOptions
 from backends.sampling import GenParams
@@ -70,8 +70,8 @@ class AutoDecoding(StepMachine):
         name = f"{self.name}.{sampling_mode(params)}"
         # The learnt state is kept for later sessions, and a device cost not yet known is measured, before Done
         # is handed on (a consumer may stop there).
-        def done() -> None:
+        def done() -> Iterator[object]:
             self.slot.learnt.keep(name, gen.state.to_json)
-            gen.measure_after()
+            yield from gen.measure_after()
 
         return drive(gen.run, gen.prefill, gen.step, should_stop, on_done=done)

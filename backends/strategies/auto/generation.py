@@ -23,7 +23,7 @@ import numpy as np
 from backends.pricing import best_chain_speedup, path_reach
 from backends.run import Run
 from backends.sampling import GenParams
-from backends.steps import Decode
+from backends.steps import PAUSE, Decode
 from backends.strategies.auto.choose import CHAIN_LAG, HELD_BACK, Chooser, DraftPays, Proposals
 from backends.strategies.auto.costs import CostModel
 from backends.strategies.auto.decide import (DRAFT, EARLY_TRIES, LOOKAHEAD, LOOKUP, MEMORY, PLAIN, Choice,
@@ -117,11 +117,14 @@ class Generation:
             self.draft = self.chooser.draft = None
         return cached
 
-    def measure_after(self) -> None:
+    def measure_after(self) -> Iterator[object]:
         """Once the answer is done: measure the device's cost if this answer ran without it (a new machine or
         new model files), so that the next answer prices its options. Until then `auto` decodes plainly and
-        tries nothing: the first answer on a new machine pays neither a calibration nor exploration."""
+        tries nothing: the first answer on a new machine pays neither a calibration nor exploration. It pauses
+        first, so that the answer's last tokens are handed on before it (a scheduler hands a tick's events on when
+        the tick ends: the chat app's first answer stalled before its last tokens for the measurement, 2 s)."""
         if self.costs.curve is None:
+            yield PAUSE
             t0 = time.perf_counter()
             self.slot.device_cost()
             self.slot.load.realised.switching(time.perf_counter() - t0)  # not the last tick's cost
