@@ -187,6 +187,12 @@ def event_json(event: Event, parse: bool = False) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def percent_text(pct: float) -> str:
+    """A source's share of the tokens, "41%"; under one percent "<1%": a source listed gave a token at least,
+    never "0%" (`run --stats`, the chat app's bar)."""
+    return f"{pct:.0f}%" if pct >= 1 else "<1%"
+
+
 def stats_lines(stats: GenStats, reason: str) -> list[str]:
     lines = [
         f"strategy {stats.strategy}: {stats.generated_tokens} tokens in {stats.decode_seconds:.2f} s "
@@ -204,9 +210,8 @@ def stats_lines(stats: GenStats, reason: str) -> list[str]:
         )
     total = sum(stats.tokens_by_source.values())
     if total and set(stats.tokens_by_source) != {"target"}:
-        lines.append("tokens by source: " + ", ".join(
-            f"{k} {100 * v / total:.0f}%" if 100 * v >= total else f"{k} <1%"  # a token at least: never "0%"
-            for k, v in sorted(stats.tokens_by_source.items())))
+        lines.append("tokens by source: " + ", ".join(f"{k} {percent_text(100 * v / total)}"
+                                                     for k, v in sorted(stats.tokens_by_source.items())))
     if len(stats.steps_by_choice) > 1 or stats.strategy == "auto":
         lines.append("steps by choice: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.steps_by_choice.items())))
     if stats.extra:

@@ -118,16 +118,19 @@ def _spans(text: Text) -> dict[str, str]:
     return {text.plain[s.start:s.end]: str(s.style) for s in text.spans}
 
 
+class _BarApp(App):
+    """The stats bar alone, for Pilot."""
+
+    def compose(self):
+        yield StatsBar()
+
+
 def test_the_stats_bar_names_each_source_in_its_colour() -> None:
     """Pilot: a turn whose tokens came from every drafter; the bar's share is the legend of the turn."""
     by_source = (("dflash", 1), ("draft", 2), ("eagle3", 3), ("lookup", 1), ("mtp", 4), ("target", 9))
 
-    class Harness(App):
-        def compose(self):
-            yield StatsBar()
-
     async def scenario() -> None:
-        app = Harness()
+        app = _BarApp()
         async with app.run_test(size=(200, 5)) as pilot:
             bar = app.query_one(StatsBar)
             bar.show(label="sps", state="done", live=LiveStats("sps", 20, 12, 10, 8, 1.0, by_source))
@@ -150,12 +153,8 @@ def test_the_stats_bar_shows_a_speedup_only_for_answers_long_enough_to_say_one()
     """Pilot: against a baseline, an answer of a few tokens shows its tokens/s and no ratio (the step after the prompt
     and the one that samples the end weigh on few tokens: a 7-token answer read 0.73x); from PlainBaseline.MIN_TOKENS
     tokens the ratio is shown."""
-    class Harness(App):
-        def compose(self):
-            yield StatsBar()
-
     async def scenario() -> None:
-        app = Harness()
+        app = _BarApp()
         async with app.run_test(size=(200, 5)) as pilot:
             bar = app.query_one(StatsBar)
             short = PlainBaseline.MIN_TOKENS - 1

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from backends.registry import strategy_label
-from app.render import LEGEND_SOURCES, TRUECOLOR, legend_name
+from app.render import LEGEND_SOURCES, TRUECOLOR, legend_name, percent_text
 from app.tui.streaming import LiveStats, PlainBaseline
 from backends.config import StrategyOptions
 from backends.sampling import GenParams
@@ -24,7 +24,7 @@ def share_text(shares: list[tuple[str, int]]) -> Text:
         if i:
             text.append(" · ")
         text.append(source, style=TRUECOLOR.source_style(source) or None)
-        text.append(f" {pct}%" if pct else " <1%")  # a source listed gave a token at least: never "0%"
+        text.append(f" {percent_text(pct)}")
     return text
 
 

@@ -7,9 +7,9 @@ always at a step boundary, and at the answer's last step (StepEnd.last: its
 Done may come seconds later, after `auto` measured a new machine). Live stats
 come from the same stream (StepEnd carries drafted/accepted per target
 forward), so the bar moves while the answer streams, in the same frame as the
-text; the final figures are `Done.stats`. For a thinking model, the batch in which the answer starts
-(its first token after the reasoning's) carries how long the thinking took,
-timed here per token, not per batch.
+text; the final figures are `Done.stats`. For a thinking model, the batch in
+which the answer starts (its first token after the reasoning's) carries how
+long the thinking took, timed here per token, not per batch.
 
 Every UI update costs CPU that llama.cpp's threads wait for: on a 2-core
 laptop each frame preempts a compute thread, and generation loses about twice
