@@ -343,7 +343,7 @@ def generate(args: argparse.Namespace) -> int:
         parse = getattr(args, "json_schema", None) is not None
         show: Callable[[object], None] = (lambda ev: print(event_json(ev, parse), flush=True)) if args.json \
             else view.show
-        if args.command == "demo" and args.strategy == "auto" and engine.known_device_cost() is None:
+        if args.command == "demo" and args.strategy == "auto" and not engine.measured_to():
             # The demo is there to show speculation at work. On a new machine `auto` decodes its first answer
             # plainly and measures the device's cost after it (backends.strategies.auto): the demo's one completion
             # would be plain, and the measurement paid at its end all the same. So it is measured first.

@@ -314,9 +314,8 @@ class Engine:
         """The device's cost, measured now after `context` on the first slot unless known already with a curve
         of at least `k_max` batch sizes (the server measures before it serves, to the largest batch it allows);
         the first slot is empty afterwards."""
-        known = self.known_device_cost()
-        if known is not None and len(known.batch.seconds) >= k_max:
-            return known
+        if self.measured_to(k_max):
+            return self.known_device_cost()
         slot = self.slots[0]
         try:
             slot.target.sync(context, logits=False)
@@ -331,6 +330,12 @@ class Engine:
         # An MTP head's cells are the draft's, of the target's own file.
         draft = self.config.target if self.mtp else self.config.draft
         return KvKey.of(self.config.target, draft, self.target.n_ctx, build_info())
+
+    def measured_to(self, k_max: int = AUTO_K_MAX) -> bool:
+        """Is the device's cost known (this session or on disk) with a curve of at least `k_max` batch sizes, so
+        that `measure_now(_, k_max)` measures nothing?"""
+        known = self.known_device_cost()
+        return known is not None and len(known.batch.seconds) >= k_max
 
     def known_device_cost(self) -> DeviceCost | None:
         """The device's cost as measured before (in this session or kept on disk), without measuring."""

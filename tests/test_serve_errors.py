@@ -232,3 +232,20 @@ def test_other_hosts_warn(tiny, tmp_path: Path) -> None:
     assert "warning: listening on 192.0.2.1" in r.stderr and "without --api-key" in r.stderr
     assert r.returncode == 2 and "cannot serve on 192.0.2.1" in r.stderr
 
+
+
+def test_a_new_machines_server_says_it_measures_before_it_listens(tiny, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Several slots: the batch cost is measured before serving (~15 s for SmolLM2 on 2 cores). The first start on
+    # a machine says so rather than sit silent; a later start reads the costs kept on disk and does not.
+    monkeypatch.setenv("SPECCHAT_COST_CACHE", str(tmp_path / "device-cost.json"))
+    logs = []
+    for start in range(2):
+        served = start_server(["-m", str(tiny.target), "-md", str(tiny.draft), "-np", "2"],
+                              tmp_path / f"server{start}.log")
+        stop_server(served)
+        logs.append(served.log())
+    first, later = logs
+    assert "measuring this machine's batch cost" in first
+    assert first.index("measuring this machine's batch cost") < first.index(" on http://127.0.0.1:")  # before the URL
+    assert "measuring" not in later and (tmp_path / "device-cost.json").exists()

@@ -136,6 +136,8 @@ def run_serve(args: argparse.Namespace, settings: Settings) -> int:
         require_draft(settings.strategy, engine.draft is not None)
         if parallel > 1:  # measuring later would decode in the middle of other requests' steps
             rows = min(settings.n_batch, max(AUTO_K_MAX, COST_ROWS_MAX))
+            if not engine.measured_to(rows):  # a new machine: ~15 s of silence before the URL otherwise
+                print_progress(f"measuring this machine's batch cost, 1 to {rows} rows (once: kept for later starts)")
             if engine.measure_now(engine.tokenize("The quick brown fox jumps over the lazy dog."), rows) is None:
                 print_progress("cannot measure the device's batch cost here: auto and tree decode plainly")
         worker = EngineWorker(engine, cache_mib=args.cache_ram, kv_disk=settings.kv_disk)
