@@ -192,7 +192,7 @@ class Chooser:
         """Exploration: an option not taken for its interval is tried once, to keep its estimate fresh. Not
         before the device's cost is known: a try priced on no curve would be paid by the user's answer."""
         st = self.state
-        if self.costs.curve is None:
+        if not self.costs.priced:
             return None
         # Beside other sequences every try is a steady one: the batch waits for what it drafts and for the
         # draft catching up on the conversation (which under load it has not decoded: a try there cost five

@@ -73,6 +73,13 @@ class CostModel:
             st.t_draft.seed(cost.draft * self.t1)
 
     @property
+    def priced(self) -> bool:
+        """Whether the device's cost is known (`curve` is not None), without building the live curve: rebuilt
+        after every decode's reading, it was most of what a held-back step's Python costs over `ar`'s through the
+        same scheduler (18 -> 7 us a token, tests/perf/host_python.py; docs/results.md)."""
+        return self.seed_curve is not None
+
+    @property
     def curve(self) -> BatchCost | None:
         """The target's batch cost curve: its lane's live one, or as measured where timing is not learnt."""
         if self.seed_curve is None or not self.state.learn_timing:

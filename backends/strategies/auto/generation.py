@@ -110,7 +110,7 @@ class Generation:
         cached = yield from self.target.syncing(self.prompt[:-1], logits=False)
         cost = self.slot.known_cost()
         self.costs.seed(cost, self.draft is not None)
-        if self.draft is not None and self.costs.curve is not None \
+        if self.draft is not None and self.costs.priced \
                 and best_chain_speedup(1.0, self.costs.draft_ratio(), self.costs.curve)[0] < DRAFT_MIN_BEST:
             # A draft this dear (its lanes' live costs, else as measured) cannot pay even were it always right (a draft as costly as the target: K + 1
             # tokens for K draft decodes and a batch of K + 1): it is neither tried nor kept in step.
@@ -123,7 +123,7 @@ class Generation:
         tries nothing: the first answer on a new machine pays neither a calibration nor exploration. It pauses
         first, so that the answer's last tokens are handed on before it (a scheduler hands a tick's events on when
         the tick ends: the chat app's first answer stalled before its last tokens for the measurement, 2 s)."""
-        if self.costs.curve is None:
+        if not self.costs.priced:
             yield PAUSE
             t0 = time.perf_counter()
             self.slot.device_cost()
@@ -150,7 +150,7 @@ class Generation:
         realised = self.slot.load.realised
         if first:  # the prompt's last token alone: a chain verified with it would delay the first token
             choice = Choice(PLAIN, why=FIRST_TOKEN)
-        elif self.costs.curve is None:  # nothing is priced to pay: no lookups, and `ar`'s step
+        elif not self.costs.priced:  # nothing is priced to pay: no lookups, and `ar`'s step
             yield from self._held_back(t0, UNPRICED)
             return
         elif not realised.allows(self.costs.batch()[0]):  # held back: no lookups, and `ar`'s step
@@ -187,7 +187,7 @@ class Generation:
             yield from self._chain([], None, PLAIN, choice, [])
         self.costs.learn(st.tokens, len(run.output) - before)
         self.costs.learn(st.seconds, time.perf_counter() - t0)
-        if first and self.draft is not None and self.slot.load.running == 1 and self.costs.curve is not None \
+        if first and self.draft is not None and self.slot.load.running == 1 and self.costs.priced \
                 and self.chooser.lag() > CHAIN_LAG and self.chooser.draft_in_use() \
                 and self.chooser.catch_up_affordable(self.costs.t_plain()):
             # Alone, the draft takes the prompt now, once the first tokens were handed on (not before them, where
