@@ -68,21 +68,30 @@ class ConversationStore:
         write_atomic(self.folder / f"{conversation.id}.json", json.dumps(data, ensure_ascii=False, indent=1) + "\n")
 
     def load(self, conversation_id: str) -> Conversation:
+        """The conversation in `<conversation_id>.json`, whose name is its id (a copy of a file is a conversation of
+        its own, saved to its own file). OSError where it cannot be read, ValueError where it is malformed."""
         data = json.loads((self.folder / f"{conversation_id}.json").read_text(encoding="utf-8"))
-        messages = tuple(ChatMessage(m["role"], m["content"], reasoning=m.get("reasoning", ""))
-                         for m in data["messages"])
+        try:
+            messages = tuple(ChatMessage(m["role"], m["content"], reasoning=m.get("reasoning", ""))
+                             for m in data["messages"])
+            updated, model, system_prompt = data["updated"], data.get("model"), data.get("system_prompt", "")
+        except (KeyError, TypeError, AttributeError) as e:  # not an object, messages not a list of objects, ...
+            raise ValueError(f"conversation {conversation_id} is malformed ({type(e).__name__}: {e})") from None
         if any(m.role not in ("user", "assistant", "system") or not isinstance(m.content, str)
                or not isinstance(m.reasoning, str) for m in messages):
             raise ValueError(f"conversation {conversation_id} has a malformed message")
-        return Conversation(data["id"], data["updated"], data.get("model"), data.get("system_prompt", ""), messages)
+        if not isinstance(updated, str) or not isinstance(system_prompt, str) \
+                or not (model is None or isinstance(model, str)):
+            raise ValueError(f"conversation {conversation_id} is malformed (its time, model or system prompt)")
+        return Conversation(conversation_id, updated, model, system_prompt, messages)
 
     def list(self) -> list[Conversation]:
-        """Saved conversations, newest first; unreadable files are skipped."""
+        """Saved conversations, newest first; unreadable or malformed files are skipped."""
         out = []
         for path in self.folder.glob("*.json"):
             try:
                 out.append(self.load(path.stem))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError):
                 continue
         return sorted(out, key=lambda c: c.updated, reverse=True)
 

@@ -41,8 +41,10 @@ from backends.kv_store import DISK_BYTES, KvDiskStore, kv_dir, restore, snapshot
 from backends.sampling import GenParams
 from backends.strategies.base import never
 
-# Context kept free for an answer when old turns must leave the prompt.
-ANSWER_ROOM = 256
+# When old turns must leave the prompt, the answer is kept room for its whole max_tokens, up to this share of the
+# context (the rest is the conversation's): a fixed 256 had cut every later answer of a full chat short, and left
+# a thinking model's answer empty once its thinking took that room.
+ANSWER_SHARE = 0.5
 CALIBRATION_PROMPT = "The history of the printing press"
 CALIBRATION_TOKENS = 24
 
@@ -133,6 +135,15 @@ class ChatSession:
         self.messages = list(messages)
         self._text_tokens.clear()
 
+    @property
+    def n_ctx(self) -> int:
+        """The positions a prompt and its answer share (the smaller of the target's and the draft's contexts)."""
+        return min(seq.n_ctx for seq in (self.engine.target, self.engine.draft) if seq is not None)
+
+    def answer_reserve(self, max_tokens: int) -> int:
+        """The room a turn's prompt leaves for its answer when old turns must leave it (ANSWER_SHARE)."""
+        return min(max_tokens, int(ANSWER_SHARE * self.n_ctx))
+
     def prompt_tokens(self, user_text: str, reserve: int = 0, kwargs: Mapping[str, object] | None = None
                       ) -> list[int]:
         """The conversation plus the new message, as the target will see it (`kwargs`: the template's
@@ -143,7 +154,7 @@ class ChatSession:
         answer, the oldest turns are left out of the prompt (they stay in the
         transcript), as chat apps do; `dropped` says how many messages.
         """
-        n_ctx = min(seq.n_ctx for seq in (self.engine.target, self.engine.draft) if seq is not None)
+        n_ctx = self.n_ctx
         history, user = self.messages, ChatMessage("user", user_text)
         last = (len(history) + 1) // 2  # dropping this many pairs leaves no history
         tried: dict[int, tuple[str, list[int]]] = {}
@@ -179,7 +190,7 @@ class ChatSession:
             # The effort where the template reads it: a setting kept across models is no error on the others.
             effort = request.reasoning_effort if self.format.takes_effort else None
             kwargs = self.format.thinking_kwargs(request.thinking, effort=effort)
-        prompt = self.prompt_tokens(user_text, reserve=min(params.max_tokens, ANSWER_ROOM), kwargs=kwargs)
+        prompt = self.prompt_tokens(user_text, reserve=self.answer_reserve(params.max_tokens), kwargs=kwargs)
         if kwargs is not None:
             params = replace(params, reasoning=self.format.reasoning_for(self.kept, self.system_prompt, kwargs=kwargs,
                                                                          rendered=self.rendered))

@@ -174,6 +174,22 @@ def test_old_turns_leave_the_prompt_when_the_context_is_full(tiny) -> None:
         engine.close()
 
 
+def test_a_full_chats_answers_keep_their_whole_room(tiny) -> None:
+    # Once old turns leave the prompt, each answer still gets its max_tokens (up to half the context): a fixed
+    # 256 tokens of room had cut every later answer of a full chat short.
+    engine = Engine(EngineConfig(target=tiny.target, n_ctx=1024, threads=1))
+    try:
+        session = ChatSession(engine)
+        request = TurnRequest("ar", GenParams(max_tokens=320, ignore_eos=True), StrategyOptions())
+        for i in range(5):
+            done = until_done(session.turn(f"turn {i}", request))
+            assert done.stats.generated_tokens == 320, (i, done.reason, done.stats.prompt_tokens)
+        assert session.dropped >= 2
+        assert session.answer_reserve(4000) == engine.target.n_ctx // 2  # the conversation keeps the other half
+    finally:
+        engine.close()
+
+
 def test_bad_chat_flag_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch) -> None:
     from app.cli import main
 

@@ -214,8 +214,13 @@ def test_prompt_too_long_is_an_error_in_the_app(tiny, tmp_path) -> None:
             await send(pilot, "word " * 200)
             assert any("context" in e for e in errors(app.chat))
             assert app.chat.session.messages == []
+            # Nothing was sent: the transcript shows no question the model never saw, and the message is back
+            # in the input, to shorten and send again.
+            assert not list(app.chat.query(UserMessage))
+            assert app.chat.query_one("#prompt").value == ("word " * 200).strip()
             await send(pilot, "short")
             assert app.chat.last_done.reason == "length"
+            assert [u.render().plain for u in app.chat.query(UserMessage)] == ["short"]
 
     asyncio.run(scenario())
 

@@ -100,6 +100,10 @@ class ChatScreen(Screen):
         self._keep_timer: Timer | None = None  # keeps the last turn's cells once the chat is idle
         self._baseline = PlainBaseline()  # plain decoding's rate on this model: what the speedup is against
         self.last_done: Done | None = None  # the last turn's end, with its stats
+        # The conversation (its system prompt and messages) while the models load again: the next session's.
+        self._carried: tuple[str, list] | None = None
+        self._reload_pending = False  # models changed while an answer or a load ran: loaded again when it ends
+        self._asked: tuple[UserMessage, str] | None = None  # the running turn's message, put back if it fails
 
     # -- layout ---------------------------------------------------------------
 
@@ -145,11 +149,15 @@ class ChatScreen(Screen):
     # -- loading --------------------------------------------------------------
 
     def load_models(self) -> None:
-        if self.generating or self.loading:
-            self.notify("wait for the current answer or load to finish (Escape stops an answer)", severity="warning")
+        if self.generating or self.loading:  # the settings are saved; the models follow them once it ends
+            self._reload_pending = True
+            self.notify("the models load again once the current answer or load ends (Escape stops an answer)")
             return
+        self._reload_pending = False
         self.loading = True
         old, old_session = self.engine, self.session
+        if old_session is not None:  # the conversation goes on with the new models
+            self._carried = old_session.system_prompt, list(old_session.messages)
         self.engine = self.session = None
         self.stats.show(state="loading…")
         self.mount(ProgressBar(total=None, show_eta=False, id="load-progress"), before=self.stats)
@@ -187,12 +195,17 @@ class ChatScreen(Screen):
         for bar in self.query("#load-progress"):
             bar.remove()
 
+    def _reload_if_pending(self) -> None:
+        if self._reload_pending and not self.generating and not self.loading:
+            self.load_models()
+
     def on_model_loaded(self, message: ModelLoaded) -> None:
         self._end_loading()
         engine = message.engine
-        previous = self.session.messages if self.session else []
+        system_prompt, previous = self._carried or (self.settings.system_prompt, [])
+        self._carried = None
         self.engine = engine
-        self.session = ChatSession(engine, self.settings.system_prompt, kv_bytes=self.settings.kv_disk)
+        self.session = ChatSession(engine, system_prompt, kv_bytes=self.settings.kv_disk)
         self._baseline.reset()  # another model's plain rate says nothing of this one's
         self.stats.baseline = None
         self.session.reset(previous)
@@ -210,15 +223,16 @@ class ChatScreen(Screen):
                 saved = self.store.list()
                 if not saved:
                     self.notify("no saved conversation to resume", severity="warning")
-                    return
-                wanted = saved[0].id
+                wanted = saved[0].id if saved else None
             self._reopen(wanted)
+        self._reload_if_pending()
 
     def on_load_failed(self, message: LoadFailed) -> None:
         self._end_loading()
         self._note(f"could not load the model: {message.error}", "error")
         self.stats.show(state="no model · F4 to choose one")
         self.notify(message.error, title="model not loaded", severity="error")
+        self._reload_if_pending()
 
     def on_baseline_measured(self, message: BaselineMeasured) -> None:
         self._baseline.calibrated(message.tokens_per_second)  # the turns' own plain steps are the better baseline
@@ -239,7 +253,9 @@ class ChatScreen(Screen):
         event.input.value = ""
         s = self.settings
         request = TurnRequest(s.strategy, s.params, s.options, s.thinking, s.reasoning_effort)
-        self.transcript.add(UserMessage(text))
+        asked = UserMessage(text)
+        self._asked = asked, text
+        self.transcript.add(asked)
         self._answer = AnswerView(s.speculation_view)
         self.transcript.add(self._answer)
         self.generating = True
@@ -298,6 +314,7 @@ class ChatScreen(Screen):
     def on_turn_finished(self, message: TurnFinished) -> None:
         done = self.last_done = message.done
         self.generating = False
+        self._asked = None
         if self._answer is not None:
             # A thinking that never ended (no answer, or cancelled) took the whole turn.
             self._answer.finish(answer_tail(self._answer.output_text, done), done.reasoning,
@@ -318,14 +335,24 @@ class ChatScreen(Screen):
             self._note(f"the context is full: the oldest {self.session.dropped} messages were left out of "
                        "the model's view (Ctrl+N starts a new chat)", "info")
         self._save_conversation()
+        self._reload_if_pending()
 
     def on_turn_failed(self, message: TurnFailed) -> None:
+        """Nothing joined the conversation: the message leaves the transcript and goes back to the input."""
         self.generating = False
         if self._answer is not None:
             self._answer.remove()
             self._answer = None
+        if self._asked is not None:
+            asked, text = self._asked
+            self._asked = None
+            asked.remove()
+            prompt = self.query_one("#prompt", Input)
+            if not prompt.value:
+                prompt.value = text
         self._note(message.error, "error")
         self.stats.show(state="ready")
+        self._reload_if_pending()
 
     def _save_conversation(self) -> None:
         if self.session is None or not self.session.messages:
@@ -387,8 +414,11 @@ class ChatScreen(Screen):
         if new.speculation_view != old.speculation_view:
             for answer in self.transcript.answers():
                 answer.set_view(new.speculation_view)
-        if self.session is not None:
-            self.session.system_prompt = new.system_prompt
+        if new.system_prompt != old.system_prompt:  # (only then: a reopened chat keeps its own)
+            if self.session is not None:
+                self.session.system_prompt = new.system_prompt
+            elif self._carried is not None:  # the models are loading: the conversation they go on with
+                self._carried = new.system_prompt, self._carried[1]
         models_changed = any(getattr(new, f) != getattr(old, f) for f in RELOAD_FIELDS)
         if new.target and (models_changed or (self.engine is None and not self.loading)):
             self.load_models()
@@ -410,6 +440,7 @@ class ChatScreen(Screen):
             return
         self.transcript.remove_children()
         self.conversation_id = new_conversation_id()
+        self._carried = None
         self.stats.show(state="new chat")
         if self.session is not None:
             self.session.system_prompt = self.settings.system_prompt
@@ -426,7 +457,7 @@ class ChatScreen(Screen):
             return
         try:
             conversation = self.store.load(conversation_id)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError) as e:  # a malformed file is a ValueError (ConversationStore.load)
             self.notify(f"could not open that conversation: {e}", severity="error")
             return
         self.transcript.remove_children()

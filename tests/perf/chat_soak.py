@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from app.chat_template import ChatMessage  # noqa: E402
-from app.session import ANSWER_ROOM, ChatSession, TurnRequest  # noqa: E402
+from app.session import ChatSession, TurnRequest  # noqa: E402
 from app.settings import CHAT_N_SEQ_MAX  # noqa: E402
 from backends.config import StrategyOptions  # noqa: E402
 from backends.engine import Engine, EngineConfig  # noqa: E402
@@ -94,15 +94,15 @@ def main() -> None:
             failures: list[str] = []
             assemble = session.prompt_tokens
 
-            def timed_prompt_tokens(user_text: str, reserve: int = 0) -> list[int]:
+            def timed_prompt_tokens(user_text: str, reserve: int = 0, **kwargs: object) -> list[int]:
                 started = time.perf_counter()
-                tokens = assemble(user_text, reserve)
+                tokens = assemble(user_text, reserve, **kwargs)
                 assembly.append(time.perf_counter() - started)
                 return tokens
 
             session.prompt_tokens = timed_prompt_tokens  # what session.turn calls
             params = GenParams(max_tokens=ANSWER_TOKENS)
-            reserve = min(ANSWER_TOKENS, ANSWER_ROOM)  # what session.turn keeps free for the answer
+            reserve = session.answer_reserve(ANSWER_TOKENS)  # what session.turn keeps free for the answer
             print(f"{args.turns} turns, n_ctx {N_CTX}, {ANSWER_TOKENS}-token answers, strategies {', '.join(STRATEGIES)}")
             print(f"RSS before the first turn: {rss_mib():.1f} MiB")
             last_report = 0
