@@ -197,6 +197,10 @@ def test_chat_streamed_and_not(chat_server: Served) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens == timings_of(chunks[-1])["predicted_n"]
+    # A client that sends every field, null where unset ("stream": null is OpenAI's default, not a 400).
+    nulls = chat_server.post("/v1/chat/completions", {"model": "chat", "messages": messages, "max_tokens": N,
+                                                      "temperature": 0, "stream": None, "stream_options": None})
+    assert nulls.status_code == 200 and nulls.json()["choices"][0]["message"]["content"] == text, nulls.text
 
 
 def test_chat_reuses_the_cache_across_turns(chat_server: Served) -> None:

@@ -113,6 +113,19 @@ def test_a_budget_ends_the_thinking_and_the_answer_follows(qwq: Served, field: s
     assert _reasoning(message.choices[0].message).endswith("Time to answer.") and message.choices[0].message.content
 
 
+def test_the_forced_end_of_a_thinking_has_a_numeric_logprob(qwq: Served) -> None:
+    # The budget's end tag is written by the server, never drawn from the model: its logprob is 0.0 (it had no
+    # other choice), not null, where OpenAI's field is a number that clients add up.
+    r = _chat(qwq, "smollm2-qwq", reasoning_budget_tokens=8, logprobs=True, top_logprobs=2)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    assert all(isinstance(e.logprob, float) and e.logprob <= 0 for e in entries), [e.logprob for e in entries]
+    tokens = [e.token for e in entries]
+    end = "".join(tokens).index("</think>")  # (several tokens in SmolLM2's vocabulary)
+    forced = next(i for i in range(len(tokens)) if len("".join(tokens[:i + 1])) > end)
+    assert [e.logprob for e in entries[forced:forced + 3]] == [0.0] * 3, tokens[forced:forced + 3]
+
+
 def test_thinking_off_is_a_400_where_the_template_cannot_turn_it_off(qwq: Served) -> None:
     for extra, param in (({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
                          ({"reasoning_effort": "none"}, "reasoning_effort")):

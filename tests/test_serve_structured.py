@@ -268,6 +268,18 @@ def test_logprobs_match_the_returned_tokens(plain: Served, stream: bool) -> None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
     assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # Streamed under a stop string whose start ends many tokens (their text is held back until the next one),
+    # each token's offset is where it starts in the completion, as in the whole answer.
+    kw = dict(model="target", prompt="the cat", max_tokens=24, logprobs=1, temperature=0, stop=["defqq"])
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, offsets = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (tokens, offsets) == (whole.tokens, whole.text_offset)
+    assert any(t.endswith("def") for t in tokens[:-1]), "no token was held back: the check would not bite"
+    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], tokens))
     health = httpx.get(f"{plain.url}/health", timeout=10).json()
     assert health["kv_errors"] == 0
 
@@ -329,11 +341,35 @@ def test_tool_stream_decodes_a_streamed_response_and_calls_piece_by_piece() -> N
     value = 'caf\u00e9 "quoted" \\ back\nline \U0001F600 end'
     answer = json.dumps({"response": value})
     for size in (1, 2, 3, 7):
-        stream = ToolStream("generic", must_call=False)
+        stream = ToolStream("generic", must_call=False, names=["get_time"])
         got = "".join(stream.push(answer[i:i + size])[0] for i in range(0, len(answer), size))
         assert got + stream.finish()[0] == value, size
     call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
     text = f"Let me check.\n{call}\n{call.replace('Rome', 'Oslo')}"
-    stream = ToolStream("hermes", must_call=False)
+    stream = ToolStream("hermes", must_call=False, names=["get_time"])
     calls = [c for i in range(0, len(text), 3) for c in stream.push(text[i:i + 3])[1]] + stream.finish()[1]
     assert [(i, json.loads(c.arguments)["city"]) for i, c in calls] == [(0, "Rome"), (1, "Oslo")]
+
+
+def test_only_calls_to_offered_functions_are_calls_and_a_cut_response_is_its_text() -> None:
+    """Llama 3.x's bare JSON is a call only with its name among the offered functions and its arguments key (as
+    llama.cpp reads one): an answer in JSON with a "name" of its own is content. A Hermes call to a function not
+    offered is none. The generic format's response cut short (max_tokens, a stop) is its text so far, whole as
+    streamed."""
+    from app.serve.tools import ToolStream, parse_answer
+
+    names = ["get_time"]
+    person = '{"name": "Alice", "age": 30}'
+    assert parse_answer(person, "llama3", names) == (person, [])
+    assert parse_answer('{"name": "get_time"}', "llama3", names) == ('{"name": "get_time"}', [])
+    content, calls = parse_answer('{"name": "get_time", "parameters": {"city": "Rome"}}', "llama3", names)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"city": "Rome"})]
+    stream = ToolStream("llama3", must_call=False, names=names)
+    assert "".join(stream.push(person[i:i + 4])[0] for i in range(0, len(person), 4)) + stream.finish()[0] == person
+    other = '<tool_call>\n{"name": "not_offered", "arguments": {}}\n</tool_call>'
+    assert parse_answer(other, "hermes", names) == (other, [])
+    cut = '{"response": "The capital is \\"Par'
+    assert parse_answer(cut, "generic", names) == ('The capital is "Par', [])
+    stream = ToolStream("generic", must_call=False, names=names)
+    streamed = "".join(stream.push(cut[i:i + 3])[0] for i in range(0, len(cut), 3))
+    assert streamed + stream.finish()[0] == 'The capital is "Par'

@@ -323,7 +323,7 @@ class Server:
                     logprobs = reply.logprobs([item], offsets[index])
                     raw = raws[index]
                     text, reasoning = (item.text, item.reasoning) if raw is None else (raw.push(item.id), "")
-                    offsets[index] += len(text)
+                    offsets[index] += len(reply.piece_text(item.id)) if logprobs is not None else 0
                     reasoned[index] += reasoning
                     thought[index] += item.channel == "reasoning"
                     if tools is None:

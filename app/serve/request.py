@@ -407,9 +407,7 @@ def parse_request(body: Mapping[str, Any], endpoint: Endpoint, defaults: Setting
                   has_draft: bool, n_seq_max: int = N_SEQ_MAX, parallel: int = 1) -> GenRequest:
     refuse_unsupported(body, endpoint)
     n = _choices(body, parallel)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be true or false", "stream")
+    stream = flag(body, "stream", False)  # null: not given (OpenAI's "boolean or null")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad("'stream_options' must be an object", "stream_options")

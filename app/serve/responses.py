@@ -160,9 +160,13 @@ class Reply:
         """A choice's stream of content and calls, for a request that offers tools."""
         if self.tool_format == "harmony":
             return HarmonyToolStream(self.call_piece or self.piece, self._names)
-        return ToolStream(self.tool_format, self.request.must_call)
+        return ToolStream(self.tool_format, self.request.must_call, self._names)
 
     # -- log-probabilities ---------------------------------------------------
+
+    def piece_text(self, token: int) -> str:
+        """A token's own text (the completions API's text_offset counts these, held back for a stop or not)."""
+        return _piece(self.piece, token)[0]
 
     def logprobs(self, tokens: Sequence[Token], offset: int = 0) -> dict[str, object] | None:
         """OpenAI's logprobs of these output tokens: chat's `{"content": [...]}`, or the completions API's
@@ -173,11 +177,14 @@ class Reply:
             content = []
             for t in tokens:
                 text, raw = _piece(self.piece, t.id)
-                content.append({"token": text, "logprob": t.logprob, "bytes": raw, "top_logprobs": [
+                # A token the server wrote itself (a thinking budget's end tag, a forced header: source "grammar")
+                # was never drawn from the model and had no other choice: 0.0, where OpenAI's field is a number.
+                logprob = t.logprob if t.logprob is not None else 0.0
+                content.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": [
                     {"token": (p := _piece(self.piece, i))[0], "logprob": lp, "bytes": p[1]}
                     for i, lp in t.top_logprobs]})
             return {"content": content}
-        texts = [_piece(self.piece, t.id)[0] for t in tokens]
+        texts = [self.piece_text(t.id) for t in tokens]
         offsets = []
         for text in texts:
             offsets.append(offset)
@@ -223,7 +230,7 @@ class Reply:
             if self.request.calls_tools and self.tool_format == "harmony":  # the content is the split's already
                 calls = calls_of(d.tokens, self.call_piece or self.piece, self._names)
             elif self.request.calls_tools:
-                text, calls = parse_answer(text, self.tool_format)
+                text, calls = parse_answer(text, self.tool_format, self._names)
             finish = "tool_calls" if calls else FINISH_REASONS.get(d.reason, "stop")
             choices.append(self._choice(i, text, finish, delta=False,
                                         logprobs=self.logprobs(tokens[i] if i < len(tokens) else ()),

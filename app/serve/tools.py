@@ -242,21 +242,26 @@ def grammar_for(tools: Sequence[Tool], choice: ToolChoice, fmt: ToolFormat, para
 # -- the answer -----------------------------------------------------------------
 
 
-def _as_call(obj: object, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def _as_call(obj: object, args_key: str, names: Sequence[str], bare: bool = False) -> ToolCall | None:
+    """`obj` as a call: None unless it names one of the offered functions (`names`), as OpenAI never answers
+    with a call to another; `bare` (a JSON object with no tag around it, Llama 3.x's), only with its arguments
+    key too, as llama.cpp's parser reads one: an answer in JSON with a "name" of its own is content."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    if bare and args_key not in obj and "arguments" not in obj:
         return None
     arguments = obj.get(args_key, obj.get("arguments", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(new_call_id(), obj["name"], text)
 
 
-def parse_answer(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
-    """The content and the calls of a whole answer."""
+def parse_answer(text: str, fmt: ToolFormat, names: Sequence[str]) -> tuple[str, list[ToolCall]]:
+    """The content and the calls (to the offered functions, `names`) of a whole answer."""
     if fmt == "hermes":
         calls = []
         for body in _HERMES_CALL.findall(text):
             try:
-                call = _as_call(json.loads(body), "arguments")
+                call = _as_call(json.loads(body), "arguments", names)
             except json.JSONDecodeError:
                 call = None
             if call is not None:
@@ -269,16 +274,18 @@ def parse_answer(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
     if fmt == "llama3":
         body = stripped[len(_PYTHON_TAG):] if stripped.startswith(_PYTHON_TAG) else stripped
         try:
-            call = _as_call(json.loads(body), "parameters")
+            call = _as_call(json.loads(body), "parameters", names, bare=True)
         except json.JSONDecodeError:
             call = None
         return ("", [call]) if call is not None else (text, [])
     try:
         obj = json.loads(stripped)
-    except json.JSONDecodeError:
-        return text, []  # cut short (max_tokens): what was written
+    except json.JSONDecodeError:  # cut short (max_tokens, a stop string): a response as far as it came, as streamed
+        if stripped.startswith(ToolStream.GENERIC_RESPONSE):
+            return _json_string_prefix(stripped[len(ToolStream.GENERIC_RESPONSE):])[0], []
+        return text, []
     if isinstance(obj, dict) and "tool_call" in obj:
-        call = _as_call(obj["tool_call"], "arguments")
+        call = _as_call(obj["tool_call"], "arguments", names)
         return ("", [call]) if call is not None else (text, [])
     if isinstance(obj, dict) and isinstance(obj.get("response"), str):
         return obj["response"], []
@@ -326,9 +333,10 @@ class ToolStream:
 
     GENERIC_RESPONSE = '{"response": "'
 
-    def __init__(self, fmt: ToolFormat, must_call: bool) -> None:
+    def __init__(self, fmt: ToolFormat, must_call: bool, names: Sequence[str]) -> None:
         self.fmt = fmt
         self.must_call = must_call
+        self.names = names  # the offered functions: a call to another is none
         self.text = ""
         self.sent_content = ""  # content already streamed
         self.sent_calls = 0
@@ -369,7 +377,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[tuple[int, ToolCall]]]:
         """What is left once the answer is whole: the rest of the content and the calls not sent yet."""
-        content, calls = parse_answer(self.text, self.fmt)
+        content, calls = parse_answer(self.text, self.fmt, self.names)
         return self._content_delta(content) if not calls or content else "", self._unsent(calls)
 
     def _content_delta(self, content: str) -> str:
@@ -386,7 +394,7 @@ class ToolStream:
         if closes == self._closes:  # no call ended since the last look
             return []
         self._closes = closes
-        return self._unsent(parse_answer(self.text, "hermes")[1])
+        return self._unsent(parse_answer(self.text, "hermes", self.names)[1])
 
     def _unsent(self, calls: list[ToolCall]) -> list[tuple[int, ToolCall]]:
         """The calls past those sent, with their indices; they count as sent from now on."""
