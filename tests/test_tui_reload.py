@@ -79,11 +79,17 @@ def test_a_reopened_chat_keeps_its_system_prompt_through_other_settings(tiny, tm
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_loaded(pilot)
             chat = app.chat
+            await send(pilot, "the dog")
+            assert chat.stats.live is not None
             chat._reopen("old-chat")
+            assert chat.stats.live is None and "reopened: 1 turn" in chat.stats.render_text().plain  # not its figures
             await pilot.press("f2", "f3")  # a strategy and the view: nothing about the system prompt
             assert chat.session.system_prompt == "You answer in French."
             chat._change_settings(replace(chat.settings, system_prompt="Be brief."))  # this one is
             assert chat.session.system_prompt == "Be brief."
+            await send(pilot, "the cat")
+            await pilot.press("ctrl+n")
+            assert chat.stats.live is None and "new chat" in chat.stats.render_text().plain
 
     asyncio.run(scenario())
 

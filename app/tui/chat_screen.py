@@ -441,7 +441,7 @@ class ChatScreen(Screen):
         self.transcript.remove_children()
         self.conversation_id = new_conversation_id()
         self._carried = None
-        self.stats.show(state="new chat")
+        self.stats.clear_figures("new chat")
         if self.session is not None:
             self.session.system_prompt = self.settings.system_prompt
             self.session.reset()
@@ -469,6 +469,7 @@ class ChatScreen(Screen):
                 self.transcript.add(answer)
                 answer.finish(m.content, m.reasoning)
         self.conversation_id = conversation.id
+        self.stats.clear_figures(f"reopened: {conversation.turns}")
         self.session.system_prompt = conversation.system_prompt
         self.session.reset([m for m in conversation.messages if m.role != "system"])
 

@@ -65,6 +65,11 @@ class StatsBar(Static):
         # a layout pass reflows the whole transcript, and the bar updates four times a second while streaming.
         self.update(self.render_text(), layout=False)
 
+    def clear_figures(self, state: str) -> None:
+        """Another conversation: the last answer's figures are not its own."""
+        self.live = None
+        self.show(state=state)
+
     def render_text(self) -> Text:
         """Two lines: what runs and what it is doing; then the figures of the last or current turn."""
         text = Text()
