@@ -198,7 +198,7 @@ class AssistantSequence(KvSequence):
     def truncate(self, n: int) -> None:
         pass
 
-    def _cut(self, n: int) -> int:
+    def cut(self, n: int) -> int:
         return min(n, len(self.tokens))
 
     def drop_cells_from(self, pos: int) -> None:

@@ -228,7 +228,7 @@ class KvSequence:
         keep = common_prefix(self.tokens, tokens)
         if logits and keep == len(tokens):
             keep -= 1
-        keep = self._cut(keep)
+        keep = self.cut(keep)
         yield from self.extending(tokens[keep:], "last" if logits else "none")
         return keep
 
@@ -293,7 +293,7 @@ class KvSequence:
         self.drop_cells_from(n)
         del self.tokens[n:]
 
-    def _cut(self, n: int) -> int:
+    def cut(self, n: int) -> int:
         """Forget the tokens from position n on where llama.cpp can cut there, else everything (a recurrent
         state keeps no history but its last few snapshots, llama.cpp's n_rs_seq; a sliding window without
         swa_full forgets the start): how many tokens are kept. For a prefix that is decoded again anyway."""

@@ -156,8 +156,8 @@ def snapshot(target: "KvSequence", draft: "KvSequence | None", upto: int | None 
 
     for seq in (target, draft):
         if seq is not None and upto is not None and len(seq.tokens) > upto:
-            seq.truncate(upto)
-    if not target.tokens:
+            seq.cut(upto)  # where llama.cpp cannot cut there (a recurrent state past its snapshots), it holds none
+    if not target.tokens or (upto is not None and len(target.tokens) < upto):
         return None
     own = bytes if copy else (lambda state: state)
     draft_tokens: tuple[int, ...] = ()
@@ -180,13 +180,16 @@ def restore(entry: KvEntry, target: "KvSequence", draft: "KvSequence | None", pr
         return 0  # the cache holds as much already
     if not target.restore(entry.target_tokens, bytearray(entry.target_state)):
         return 0
-    if shared < len(target.tokens):
-        target.truncate(shared)
+    # A state read back has no snapshots to undo with: a recurrent target (Qwen3.5's) cannot be cut inside it,
+    # and then holds nothing: the prompt decodes as without the file (a conversation edited since, or a thinking
+    # template that drops earlier reasoning, leaves the entry past where the prompt differs).
+    if target.cut(shared) < shared:
+        return 0
     if draft is not None and entry.draft_state:
         d_shared = common_prefix(entry.draft_tokens, prompt)
         if d_shared > common_prefix(draft.tokens, prompt) and \
-                draft.restore(entry.draft_tokens, bytearray(entry.draft_state)) and d_shared < len(draft.tokens):
-            draft.truncate(d_shared)
+                draft.restore(entry.draft_tokens, bytearray(entry.draft_state)):
+            draft.cut(d_shared)
     return len(target.tokens)
 
 
@@ -197,6 +200,14 @@ DISK_BYTES = 2_000_000_000
 # Conversations shorter than this are not kept: they decode in about the time reading them back takes.
 MIN_TOKENS = 64
 KV_DIR = "kv"
+# A write killed midway (SIGKILL, OOM, power) leaves its temporary file (models.files.write_atomic: written beside,
+# then renamed); one this old is nobody's write in progress, and the store's bound deletes it.
+STALE_TMP_S = 600.0
+
+
+def leftovers(folder: Path) -> list[Path]:
+    """What the store's files leave beside them: files set aside (.bad) and temporary files of writes cut short."""
+    return [*folder.glob("*.bad"), *folder.glob(".*.tmp")] if folder.is_dir() else []
 
 
 def kv_dir(configured: Path | None = None) -> Path | None:
@@ -307,12 +318,17 @@ class KvDiskStore:
             self.warn(f"KV file not written: {e.strerror or e}")
 
     def _bound(self) -> None:
-        """Least recently used files out until the folder (every key's files) is within the bound."""
-        files = []
-        for path in self.folder.glob("*.kv"):
+        """Least recently used files out until the folder (every key's files, and those set aside) is within the
+        bound; a write's temporary file older than STALE_TMP_S (its writer was killed) goes at once."""
+        files, now = [], time.time()
+        for path in [*self.folder.glob("*.kv"), *leftovers(self.folder)]:
             try:
                 st = path.stat()
             except OSError:
+                continue
+            if path.suffix == ".tmp":
+                if now - st.st_mtime > STALE_TMP_S:
+                    path.unlink(missing_ok=True)
                 continue
             files.append((st.st_mtime, st.st_size, path))
         total = sum(size for _, size, _ in files)
@@ -335,5 +351,6 @@ class KvDiskStore:
 def describe_store(folder: Path) -> dict[str, object]:
     """What the store holds, without loading a model: entries, bytes, set-aside files."""
     files = list(folder.glob("*.kv")) if folder.is_dir() else []
-    return {"folder": str(folder), "entries": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "set_aside": len(list(folder.glob("*.bad"))) if folder.is_dir() else 0}
+    aside = leftovers(folder)
+    return {"folder": str(folder), "entries": len(files), "bytes": sum(p.stat().st_size for p in files + aside),
+            "set_aside": len(aside)}

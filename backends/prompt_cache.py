@@ -116,7 +116,7 @@ class PromptCache:
                   prompt: Sequence[int]) -> bool:
         """The entry's cells into the slot: the target's, and the draft's where they start the prompt further
         than what the draft holds. Whole: the strategy's syncing cuts what the prompt does not share, where
-        llama.cpp can (a cache that cannot is decoded again, KvSequence._cut). False when llama.cpp could not
+        llama.cpp can (a cache that cannot is decoded again, KvSequence.cut). False when llama.cpp could not
         take the target's (the slot then holds nothing of the target's: the prompt decodes)."""
         keep = common_prefix(target.tokens, prompt)
         if not target.restore(entry.target_tokens, _writable(entry.target_state)):

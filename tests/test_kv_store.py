@@ -162,6 +162,34 @@ def test_a_reopened_conversation_restores_its_cells_and_answers_the_same(instruc
         store.close()
 
 
+def test_a_recurrent_targets_cells_restore_whole_or_not_at_all(tmp_path: Path) -> None:
+    """Qwen3.5's recurrent state read back from a file has no snapshots to cut back with: a prompt that leaves the
+    entry inside it (a conversation edited since; a template that drops earlier reasoning) restores nothing and
+    decodes as without the file, where it raised on every turn; one that extends it restores all. A run's cells
+    cut to its prompt (`--prompt-cache`) are none rather than an error after the answer."""
+    from backends.engine import EngineConfig
+    from qwen35_factory import Qwen35Model, write_qwen35_mtp_target
+
+    path = write_qwen35_mtp_target(tmp_path / "qwen35.gguf", Qwen35Model(residual=0.1, head_noise=0.1))
+    engine = Engine(EngineConfig(target=path, n_ctx=512, threads=1, cost_cache=Path(""), memory=False))
+    try:
+        slot, params = engine.slots[0], GenParams(max_tokens=12)
+        prompt = list(range(5, 45))
+        slot.target.sync(prompt, logits=False)
+        entry = snapshot(slot.target, None)
+        edited = prompt[:20] + list(range(60, 80))
+        want = run_to_done(engine, "ar", edited, params).tokens
+        slot.reset()
+        assert restore(entry, slot.target, None, edited) == 0 and slot.target.tokens == []
+        assert run_to_done(engine, "ar", edited, params).tokens == want
+        slot.reset()
+        assert restore(entry, slot.target, None, prompt + [7, 8]) == len(prompt)
+        run_to_done(engine, "ar", prompt, GenParams(max_tokens=48))  # past the state's snapshots
+        assert snapshot(slot.target, None, upto=len(prompt)) is None  # the answer cannot be cut off its prompt
+    finally:
+        engine.close()
+
+
 def test_the_store_stays_within_its_bound_over_10000_turns_and_survives_a_kill(tmp_path: Path) -> None:
     """Synthetic cells (the bookkeeping, not llama.cpp): 10,000 turns of conversations that grow and start over
     never leave more than the bound on disk, an entry that extends another replaces it, and a writer killed
@@ -181,6 +209,16 @@ def test_the_store_stays_within_its_bound_over_10000_turns_and_survives_a_kill(t
         last = tuple([499] + list(range(MIN_TOKENS + 19)))
         assert store.best(last + (1, 2)).target_tokens == last, "the longest turn of the last conversation"
         assert len([t for t in store._entries().values() if t[0] == 499]) == 1, "extended entries are replaced"
+        # What a killed write leaves goes once it is old (a fresh one may be another process's write in progress),
+        # and files set aside count in the bound.
+        stale, fresh, aside = folder / ".x.kv.ab12.tmp", folder / ".y.kv.cd34.tmp", folder / "z.bad"
+        for path in (stale, fresh, aside):
+            path.write_bytes(b"\0" * 1000)
+        os.utime(stale, (time.time() - 3600, time.time() - 3600))
+        os.utime(aside, (0, 0))
+        store.put(KvEntry(tuple([500] + list(range(MIN_TOKENS))), b"\1" * 1000))
+        store.wait()
+        assert not stale.exists() and fresh.exists() and not aside.exists()
     finally:
         store.close()
     script = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
@@ -213,6 +251,7 @@ def test_cache_stats_and_clear_cover_the_kv_cells(tmp_path: Path) -> None:
     folder = tmp_path / "kv"
     write_entry(folder / "a.kv", KvKey(("t",), (), 512, "test"), KvEntry(tuple(range(80)), b"x" * 5000))
     (folder / "b.bad").write_bytes(b"junk")
+    (folder / ".c.kv.x1y2.tmp").write_bytes(b"a write killed midway")
     env = {**os.environ, "SPECCHAT_KV_DIR": str(folder), "SPECCHAT_MEMORY_DIR": str(tmp_path / "mem")}
 
     def cache(*args: str) -> subprocess.CompletedProcess:
@@ -222,9 +261,9 @@ def test_cache_stats_and_clear_cover_the_kv_cells(tmp_path: Path) -> None:
     stats = cache("stats", "--json")
     assert stats.returncode == 0, stats.stderr
     kv = json.loads(stats.stdout.splitlines()[0])["kv"]
-    assert (kv["entries"], kv["set_aside"]) == (1, 1) and kv["bytes"] > 5000
+    assert (kv["entries"], kv["set_aside"]) == (1, 2) and kv["bytes"] > 5000
     cleared = cache("clear")
-    assert cleared.returncode == 0 and "cleared 2 KV files" in cleared.stdout
+    assert cleared.returncode == 0 and "cleared 3 KV files" in cleared.stdout
     assert not list(folder.iterdir())
 
 

@@ -41,7 +41,7 @@ def _folder() -> Path | None:
 
 def _kv(args: argparse.Namespace) -> None:
     """The KV cells on disk: stats, or cleared (with every memory file, not with one)."""
-    from backends.kv_store import describe_store, kv_dir
+    from backends.kv_store import describe_store, kv_dir, leftovers
 
     folder = kv_dir()
     if folder is None or (args.cache_command == "clear" and args.file):
@@ -54,7 +54,7 @@ def _kv(args: argparse.Namespace) -> None:
             print(f"KV cells on disk: {info['entries']} conversations, {info['bytes'] / 1e6:.1f} MB in {folder}"
                   + (f" ({info['set_aside']} files set aside)" if info["set_aside"] else ""))
         return
-    files = [*folder.glob("*.kv"), *folder.glob("*.bad")] if folder.is_dir() else []
+    files = [*folder.glob("*.kv"), *leftovers(folder)] if folder.is_dir() else []
     for path in files:
         path.unlink(missing_ok=True)
     print(f"cleared {len(files)} KV file{'s' * (len(files) != 1)} in {folder}")
