@@ -211,6 +211,7 @@ class Engine:
         # Set up at load, not by the first request before its first token: the speculation memory, found by a hash
         # of the vocabulary (0.36 s of a restarted server's first request with Gemma's 262k tokens, docs/results.md).
         self.memory()
+        self.kv_key()  # the files' identity as loaded
 
     @property
     def mtp(self) -> bool:
@@ -326,7 +327,12 @@ class Engine:
             slot.reset()
 
     def kv_key(self) -> KvKey:
-        """What a slot's cells depend on, for KV files (backends.kv_store)."""
+        """What a slot's cells depend on, for KV files (backends.kv_store): the files as they were loaded, read
+        once (a model file replaced on disk while it runs must not key the cells of the one in memory)."""
+        return self._kv_key
+
+    @cached_property
+    def _kv_key(self) -> KvKey:
         # An MTP head's cells are the draft's, of the target's own file.
         draft = self.config.target if self.mtp else self.config.draft
         return KvKey.of(self.config.target, draft, self.target.n_ctx, build_info())

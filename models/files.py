@@ -18,7 +18,8 @@ def write_atomic(path: Path, data: str | bytes | Sequence[bytes]) -> None:
     joins them, which for large ones would hold Python's lock while a decoding thread waits), or what it held
     before: written beside it (readable by its owner only), synced, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # (a short prefix: a name near the file system's 255 bytes leaves no room for a longer temporary one)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=".tmp", dir=path.parent)
     chunks = [data.encode("utf-8")] if isinstance(data, str) else [data] if isinstance(data, bytes) else data
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:

@@ -274,3 +274,27 @@ def test_sizes_read_as_people_write_them() -> None:
         [2 * 10**9, 5 * 10**8, 64_000, 15 * 10**8, 0, 123]
     with pytest.raises(ValueError, match="not a size"):
         parse_size("lots")
+
+
+def test_cells_are_keyed_by_the_files_as_loaded_and_long_names_write(tiny, tmp_path: Path) -> None:
+    """A model file replaced on disk while it runs keys nothing of the one in memory (a server's /slots save after a
+    re-quantization would otherwise file the old model's cells under the new file's key), and a file name near the
+    file system's limit still writes (its temporary name once added 14 bytes: a 250-byte /slots name failed)."""
+    import shutil
+
+    from backends.engine import EngineConfig
+    from models.files import write_atomic
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny.target, path)
+    engine = Engine(EngineConfig(target=path, n_ctx=256, threads=1, cost_cache=Path(""), memory=False))
+    try:
+        loaded = engine.kv_key()
+        os.utime(path, (time.time() + 100, time.time() + 100))  # what a copy over it does
+        assert KvKey.of(path, None, engine.target.n_ctx, loaded.build) != loaded
+        assert engine.kv_key() == loaded
+    finally:
+        engine.close()
+    long = tmp_path / ("a" * 250)
+    write_atomic(long, b"cells")
+    assert long.read_bytes() == b"cells"
