@@ -282,10 +282,14 @@ def _read_prompt(arg: str | None, flag: str | None = None) -> str:
 
 
 class _Interrupt:
-    """First Ctrl-C asks the generation to stop (the text so far is kept); a second one aborts."""
+    """Ctrl-C from before the models load until they are freed. While generating, the first asks the generation to
+    stop (the text so far is kept) and a second aborts; otherwise it is noted and the run ends once llama.cpp
+    returns. An exception raised there would land in llama.cpp's log callback, which swallows it (a Ctrl-C while
+    loading was lost, the run went on and exited 0), or in the middle of freeing the models (a segfault)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.generating = False
         self._previous: object = None
 
     def __enter__(self) -> "_Interrupt":
@@ -296,7 +300,7 @@ class _Interrupt:
         signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.event.is_set():
+        if self.event.is_set() and self.generating:
             raise KeyboardInterrupt
         self.event.set()
 
@@ -312,68 +316,81 @@ def settings_from_args(args: argparse.Namespace, only: tuple[str, ...] = ("",)) 
 def generate(args: argparse.Namespace) -> int:
     prompt_text = _read_prompt(args.prompt, getattr(args, "prompt_flag", None))
     settings = settings_from_args(args)
-    params, options = settings.params, settings.options
+    options = settings.options
     if not settings.mtp:  # without the target's own head, whether there is a drafter is known before loading
         require_draft(args.strategy, settings.draft is not None)
     raw = getattr(args, "raw", False) or args.command == "demo"
     if raw and settings.system_prompt:
         raise UserError("--system needs the chat template; it cannot go with --no-conversation")
-    engine = open_engine(settings, n_seq_needed(args.strategy, options), print_progress,
-                         with_draft=REGISTRY[args.strategy].uses_draft)
+    with _Interrupt() as interrupt:
+        engine = open_engine(settings, n_seq_needed(args.strategy, options), print_progress,
+                             with_draft=REGISTRY[args.strategy].uses_draft)
+        try:
+            return _generate(args, engine, settings, prompt_text, raw, interrupt)
+        finally:
+            engine.close()
+
+
+def _generate(args: argparse.Namespace, engine, settings: Settings, prompt_text: str, raw: bool,
+              interrupt: _Interrupt) -> int:
+    params, options = settings.params, settings.options
+    require_draft(args.strategy, engine.draft is not None)
+    strategy = engine.strategy(args.strategy, options)
+    grammar = grammar_from_flags(args, engine.target_model)
+    if grammar is not None:
+        params = replace(params, grammar=grammar)
+    prompt_format = PromptFormat(engine)
+    kwargs = None
+    if not raw and prompt_format.reasoning is not None:
+        kwargs = prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
+        params = replace(params, reasoning=prompt_format.reasoning_for([ChatMessage("user", prompt_text)],
+                                                                       settings.system_prompt, kwargs=kwargs))
+    elif settings.reasoning_effort is not None:  # a model that does not think, or no template: said so
+        if raw:
+            raise UserError("--reasoning-effort needs the chat template; it cannot go with --no-conversation")
+        prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
+    tokens = prompt_format.prompt(prompt_text, settings.system_prompt, raw=raw, kwargs=kwargs)
+    color = sys.stdout.isatty() if args.color is None else args.color
+    view = TextView(sys.stdout, color, reasoning=sys.stderr if getattr(args, "reasoning", "show") == "show"
+                    else None)
+    parse = getattr(args, "json_schema", None) is not None
+    show: Callable[[object], None] = (lambda ev: print(event_json(ev, parse), flush=True)) if args.json \
+        else view.show
+    if args.command == "demo" and args.strategy == "auto" and not engine.measured_to():
+        # The demo is there to show speculation at work. On a new machine `auto` decodes its first answer
+        # plainly and measures the device's cost after it (backends.strategies.auto): the demo's one completion
+        # would be plain, and the measurement paid at its end all the same. So it is measured first.
+        print_progress("measuring this machine's costs (once; a few seconds)")
+        engine.measure_now(tokens)
+    if args.command == "demo" and not args.json:
+        if color:
+            print(LEGEND, file=sys.stderr, flush=True)
+        view.show_prompt(prompt_text)
+    cache_file = getattr(args, "prompt_cache", None)
+    if cache_file is not None:
+        _restore_prompt(engine, cache_file, tokens)
+    if interrupt.event.is_set():  # while the models loaded: nothing generated
+        print("specchat: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    done = None
+    interrupt.generating = True
     try:
-        require_draft(args.strategy, engine.draft is not None)
-        strategy = engine.strategy(args.strategy, options)
-        grammar = grammar_from_flags(args, engine.target_model)
-        if grammar is not None:
-            params = replace(params, grammar=grammar)
-        prompt_format = PromptFormat(engine)
-        kwargs = None
-        if not raw and prompt_format.reasoning is not None:
-            kwargs = prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
-            params = replace(params, reasoning=prompt_format.reasoning_for([ChatMessage("user", prompt_text)],
-                                                                           settings.system_prompt, kwargs=kwargs))
-        elif settings.reasoning_effort is not None:  # a model that does not think, or no template: said so
-            if raw:
-                raise UserError("--reasoning-effort needs the chat template; it cannot go with --no-conversation")
-            prompt_format.thinking_kwargs(settings.thinking, effort=settings.reasoning_effort)
-        tokens = prompt_format.prompt(prompt_text, settings.system_prompt, raw=raw, kwargs=kwargs)
-        color = sys.stdout.isatty() if args.color is None else args.color
-        view = TextView(sys.stdout, color, reasoning=sys.stderr if getattr(args, "reasoning", "show") == "show"
-                        else None)
-        parse = getattr(args, "json_schema", None) is not None
-        show: Callable[[object], None] = (lambda ev: print(event_json(ev, parse), flush=True)) if args.json \
-            else view.show
-        if args.command == "demo" and args.strategy == "auto" and not engine.measured_to():
-            # The demo is there to show speculation at work. On a new machine `auto` decodes its first answer
-            # plainly and measures the device's cost after it (backends.strategies.auto): the demo's one completion
-            # would be plain, and the measurement paid at its end all the same. So it is measured first.
-            print_progress("measuring this machine's costs (once; a few seconds)")
-            engine.measure_now(tokens)
-        if args.command == "demo" and not args.json:
-            if color:
-                print(LEGEND, file=sys.stderr, flush=True)
-            view.show_prompt(prompt_text)
-        cache_file = getattr(args, "prompt_cache", None)
-        if cache_file is not None:
-            _restore_prompt(engine, cache_file, tokens)
-        with _Interrupt() as interrupt:
-            done = None
-            for ev in strategy.generate(tokens, params, interrupt.event.is_set):
-                show(ev)
-                if isinstance(ev, Done):
-                    done = ev
-        assert done is not None
-        if cache_file is not None and done.reason != "error":
-            _save_prompt(engine, cache_file, tokens)
-        if args.stats:
-            for line in stats_lines(done.stats, done.reason):
-                print(line, file=sys.stderr)
-        if done.reason == "error":
-            print_error(done.error or "generation failed")
-            return EXIT_RUNTIME
-        return EXIT_INTERRUPTED if done.reason == "cancelled" else 0
+        for ev in strategy.generate(tokens, params, interrupt.event.is_set):
+            show(ev)
+            if isinstance(ev, Done):
+                done = ev
     finally:
-        engine.close()
+        interrupt.generating = False
+    assert done is not None
+    if cache_file is not None and done.reason != "error":
+        _save_prompt(engine, cache_file, tokens)
+    if args.stats:
+        for line in stats_lines(done.stats, done.reason):
+            print(line, file=sys.stderr)
+    if done.reason == "error":
+        print_error(done.error or "generation failed")
+        return EXIT_RUNTIME
+    return EXIT_INTERRUPTED if done.reason == "cancelled" else 0
 
 
 def _restore_prompt(engine, path: Path, prompt: list[int]) -> None:

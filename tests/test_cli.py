@@ -128,6 +128,27 @@ def test_ctrl_c_stops_cleanly_with_text_so_far(demo_pair) -> None:
 
 
 @pytest.mark.demo
+def test_ctrl_c_while_the_models_load_ends_the_run_once_they_are_loaded(demo_pair) -> None:
+    """llama.cpp's load holds the main thread; a Ctrl-C then used to be raised in its log callback, which swallowed
+    it: the run went on to its whole answer and exited 0."""
+    proc = subprocess.Popen(  # --debug: llama.cpp's log on stderr says when the load is under way
+        [sys.executable, "-m", "app", "--debug", "run", "Once upon a time", "-m", str(demo_pair.target), "-md",
+         str(demo_pair.draft), "-n", "400", "--no-color", "--temp", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    seen = []
+    for line in proc.stderr:  # the loader's first lines: it logs through the callback a Ctrl-C would land in
+        seen.append(line)
+        if "llama_model_loader" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=300)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err[-2000:]
+    assert out == "" and "specchat: interrupted" in err and "Traceback" not in err and "Exception ignored" not in err
+
+
+@pytest.mark.demo
 def test_demo_command_runs_the_bundled_pair(demo_pair) -> None:
     env = {**os.environ}
     r = subprocess.run([sys.executable, "-m", "app", "demo", "-n", "24"], capture_output=True, text=True,
