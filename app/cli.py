@@ -394,15 +394,19 @@ def _generate(args: argparse.Namespace, engine, settings: Settings, prompt_text:
 
 
 def _restore_prompt(engine, path: Path, prompt: list[int]) -> None:
-    """`--prompt-cache`: the prompt's cells from FILE where it starts the same way; a file that does not match
-    or parse is one line on stderr, and the prompt decodes as without it."""
-    from backends.kv_store import KvStoreError, read_entry, restore
+    """`--prompt-cache`: the prompt's cells from FILE where it starts the same way; a file of another model or
+    context, or damaged, is one line on stderr, and the prompt decodes as without it (the file is replaced after).
+    A file that is no specchat KV file is a user error before anything is generated: not ours to overwrite (as
+    llama.cpp's --prompt-cache refuses a session file it cannot load)."""
+    from backends.kv_store import KvStoreError, NotKvFile, read_entry, restore
 
     if not path.exists():
         return
     t0 = time.perf_counter()
     try:
         entry = read_entry(path, engine.kv_key())
+    except NotKvFile as e:
+        raise UserError(f"--prompt-cache: {e}; it is left as it is (give a new file's name)") from None
     except KvStoreError as e:
         print(f"specchat: prompt cache not used: {e}", file=sys.stderr, flush=True)
         return

@@ -56,6 +56,10 @@ class KvStoreError(ValueError):
     """A KV file that cannot be used here: another model or context, or not a whole file."""
 
 
+class NotKvFile(KvStoreError):
+    """A file that is no specchat KV file at all (or cannot be read): not ours to replace."""
+
+
 @dataclass(frozen=True)
 class KvKey:
     """What a sequence's cells depend on, as JSON data (compared whole)."""
@@ -112,14 +116,14 @@ def read_entry(path: Path, key: KvKey) -> KvEntry:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise KvStoreError(f"cannot read {path}: {e.strerror or e}") from None
+        raise NotKvFile(f"cannot read {path}: {e.strerror or e}") from None
     head, sep, body = data.partition(b"\n")
     try:
         header = json.loads(head) if sep else None
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
-        raise KvStoreError(f"{path} is not a specchat KV file")
+        raise NotKvFile(f"{path} is not a specchat KV file")
     why = key.differs(header.get("key"))
     if why:
         raise KvStoreError(f"{path}: {why}")

@@ -121,6 +121,11 @@ def test_run_prompt_cache_restores_a_later_run_and_refuses_another_models_file(i
     assert other.returncode == 0
     refused = [line for line in other.stderr.splitlines() if "prompt cache" in line]
     assert len(refused) == 1 and "another target model" in refused[0]
+    notes = tmp_path / "notes.md"  # a mistyped name: no KV file of ours, never overwritten
+    notes.write_text("my notes\n")
+    mistyped = _run("-m", str(instruct_pair.draft), LONG, "-n", "4", "-t", "2", "--prompt-cache", str(notes))
+    assert mistyped.returncode == 1 and mistyped.stdout == "" and notes.read_text() == "my notes\n"
+    assert mistyped.stderr.strip().splitlines()[-1].startswith("specchat: error: --prompt-cache:")
 
 
 # -- the chat app's store ---------------------------------------------------------------------------------------------
