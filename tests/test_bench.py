@@ -72,6 +72,25 @@ def test_bench_rejects_bad_input(tiny, tmp_path: Path) -> None:
     assert r.returncode == 1 and "expected a JSON object" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_bench_without_matplotlib_prints_its_table_and_an_out_file_is_refused_first(tiny, tmp_path: Path) -> None:
+    """The quick start installs no matplotlib (the `bench` extra): the table and bench.json still come, the plot is
+    one line on stderr (it was an exit 1 after the whole measuring, the table never printed). An --out that is a
+    file is refused before anything is measured."""
+    args = ["bench", "-m", str(tiny.target), "-s", "ar,lookup", "--repeats", "1", "-n", "8", "-t", "1",
+            "--cost-k-max", "0", "--limit", "2"]
+    blocked = "import sys; sys.modules['matplotlib'] = None; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", blocked, *args, "--out", str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].split()[0] == "configuration" and "lookup" in r.stdout
+    assert "bench.png not drawn: the plot needs matplotlib" in r.stderr and (tmp_path / "out" / "bench.json").exists()
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "app", *args, "--out", str(tmp_path / "file")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"specchat: error: --out {tmp_path / 'file'} is a file; it names the folder for bench.json and bench.png"]
+
+
 def test_custom_prompt_file(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hello", "category": "greeting"}\n\n{"prompt": "bye"}\n')

@@ -71,6 +71,8 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
         names = [n for n in names if n not in NEEDS_DRAFT]
     if args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # found now, not after the measuring
+        raise ValueError(f"--out {args.out} is a file; it names the folder for bench.json and bench.png")
     if args.rotate < 0:
         raise ValueError("--rotate must be 0 or more")
     prompts = load_prompt_set(args.prompts, args.limit)
@@ -133,7 +135,7 @@ def bench(args: argparse.Namespace, settings: Settings) -> int:
     if args.sweep:
         for s, b in best.items():
             print(f"best {s} on this device: {b['label']} ({b['speedup']:.2f}x)")
-    print(f"\nwrote {json_path} and {png_path}", file=sys.stderr)
+    print(f"\nwrote {json_path} {png_path}", file=sys.stderr)
     return 0
 
 
@@ -152,12 +154,17 @@ def _report_head(args: argparse.Namespace, params, target: Path, draft: Path | N
     }
 
 
-def _write_report(report: dict, out: Path, plot) -> tuple[Path, Path]:
-    """bench.json and bench.png (drawn by `plot`) in `out`."""
+def _write_report(report: dict, out: Path, plot) -> tuple[Path, str]:
+    """bench.json and bench.png (drawn by `plot`) in `out`; what was written, for the last line. A plot that cannot
+    be drawn (no matplotlib: the `bench` extra) is a line on stderr, not a failure after minutes of measuring."""
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "bench.json"
     json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return json_path, plot(report, out / "bench.png")
+    try:
+        return json_path, f"and {plot(report, out / 'bench.png')}"
+    except (ValueError, OSError) as e:
+        print(f"specchat: bench.png not drawn: {e}", file=sys.stderr)
+        return json_path, "(no plot)"
 
 
 def parse_clients(text: str) -> list[int]:
@@ -215,5 +222,5 @@ def load_bench(args: argparse.Namespace, settings: Settings, prompts: list[Bench
         for r in differing:
             print(f"{r['label']} at {r['clients']} clients: {r['greedy_differing_requests']} request(s) differ from ar's "
                   "(llama.cpp's batched arithmetic is not batch-invariant: near-ties can flip)")
-    print(f"\nwrote {json_path} and {png_path}", file=sys.stderr)
+    print(f"\nwrote {json_path} {png_path}", file=sys.stderr)
     return 0
