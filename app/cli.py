@@ -41,6 +41,11 @@ DEMO_PROMPT = "Once upon a time, in a small village,"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if self.prog != "specchat":  # a command's own --debug too: where an error line says to add it, it works
+            self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER, f"specchat: error: {message} (see '{self.prog} --help')\n")
 

@@ -3,6 +3,8 @@ models screen print the same sizes, so both take them from here (neither imports
 
 from __future__ import annotations
 
+import math
+
 
 def format_size(n: float | None) -> str:
     """Bytes in decimal units (B, kB, MB, GB), "?" when unknown."""
@@ -25,7 +27,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"{text!r} is not a size (e.g. 2G, 500M, 0)") from None
+        value = math.nan
+    if not math.isfinite(value):  # "inf", "nan" parse as floats
+        raise ValueError(f"{text!r} is not a size (e.g. 2G, 500M, 0)")
     if value < 0:
         raise ValueError(f"{text!r}: a size is 0 or more")
     return int(value * units[unit])

@@ -95,6 +95,17 @@ def test_bad_flags_exit_1(tiny, args: list[str]) -> None:
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_debug_works_after_the_command_too(tiny, tmp_path) -> None:
+    # Where an error line says "run with --debug", adding it to the end of the same command works.
+    missing = str(tmp_path / "missing.gguf")
+    for args in (["run", "hi", "-m", missing], ["models", "info", missing]):
+        quiet = subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=120)
+        loud = subprocess.run([sys.executable, "-m", "app", *args, "--debug"], capture_output=True, text=True,
+                              timeout=120)
+        assert quiet.returncode == 1 and "Traceback" not in quiet.stderr and "no such file" in quiet.stderr
+        assert "Traceback" in loud.stderr and "no such file" in loud.stderr, loud.stderr
+
+
 def test_sps_without_draft_is_a_user_error(tiny) -> None:
     r = _cli("run", "hi", "-m", str(tiny.target), "-s", "sps")
     assert r.returncode == 1 and "needs a draft model" in r.stderr

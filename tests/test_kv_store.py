@@ -277,8 +277,9 @@ def test_sizes_read_as_people_write_them() -> None:
 
     assert [parse_size(t) for t in ("2G", "500M", "64k", "1.5GB", "0", "123")] == \
         [2 * 10**9, 5 * 10**8, 64_000, 15 * 10**8, 0, 123]
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size("lots")
+    for text in ("lots", "inf", "nan", "1e999G"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(text)
 
 
 def test_cells_are_keyed_by_the_files_as_loaded_and_long_names_write(tiny, tmp_path: Path) -> None:
