@@ -44,7 +44,7 @@ def memory_dir(configured: Path | None) -> Path | None:
     `suffix/`; "" keeps none."""
     if configured is None:
         env = next((os.environ[name] for name in MEMORY_ENV if name in os.environ), None)
-        configured = Path(env) if env is not None else data_dir() / MEMORY_DIR
+        configured = Path(env).expanduser() if env is not None else data_dir() / MEMORY_DIR
     return configured if str(configured) not in ("", ".") else None
 
 

@@ -314,6 +314,16 @@ def test_a_second_process_drafts_from_what_the_first_wrote_and_cache_commands(ti
     cleared = _run(["cache", "clear"], env)
     assert cleared.returncode == 0 and "cleared 1" in cleared.stdout
     assert "empty" in _run(["cache", "stats"], env).stdout
+    empty = _run(["cache", "stats", "--json"], env)  # every line JSON under --json, an empty memory's too
+    assert [json.loads(line) for line in empty.stdout.splitlines()][-1] == \
+        {"memory": {"folder": str(tmp_path / "memory"), "files": 0}}
+    off = {**env, "SPECCHAT_MEMORY_DIR": ""}  # the memory off, as documented: nothing to show or clear, no error
+    for verb in (["stats"], ["stats", "--json"], ["clear"]):
+        r = _run(["cache", *verb], off)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().endswith('{"memory": null}' if "--json" in verb else "is empty)"), r.stdout
+    home = {**env, "SPECCHAT_MEMORY_DIR": "~/mem", "HOME": str(tmp_path / "home")}  # "~" is the home, not ./~
+    assert f"empty ({tmp_path / 'home' / 'mem'})" in _run(["cache", "stats"], home).stdout
 
 
 def test_the_memory_at_the_end_of_the_room_proposes_nothing_and_fails_nothing(memory_engine: Engine) -> None:

@@ -65,12 +65,19 @@ def run_cache(args: argparse.Namespace) -> int:
 
     _kv(args)
     folder = _folder()
-    if folder is None:
-        raise UserError("the speculation memory is off ($SPECCHAT_MEMORY_DIR or $SPECCHAT_SUFFIX_CACHE is empty)")
+    if folder is None:  # a documented setting, not an error: nothing of it to show or clear
+        if args.cache_command == "clear" and args.file:
+            raise UserError(f"{args.file}: the speculation memory is off ($SPECCHAT_MEMORY_DIR is empty)")
+        if getattr(args, "json", False):
+            print(json.dumps({"memory": None}))
+        else:
+            print("the speculation memory is off ($SPECCHAT_MEMORY_DIR or $SPECCHAT_SUFFIX_CACHE is empty)")
+        return 0
     files = memory_files(folder)
     if args.cache_command == "stats":
         if not files:
-            print(f"the speculation memory is empty ({folder})")
+            print(json.dumps({"memory": {"folder": str(folder), "files": 0}}) if args.json
+                  else f"the speculation memory is empty ({folder})")
             return 0
         for path in files:
             info = describe_file(path)
