@@ -405,7 +405,9 @@ class Thinking:
             else:
                 reasoning, carry[0] = carry[0], ""
                 splitter.push(header)
-            forced = self._tokens(header)
+            # Counted in max_tokens, as llama.cpp's forced tokens are sampled ones: cut at the limit (the answer then
+            # ends "length"), not written past it.
+            forced = self._tokens(header)[:max(params.max_tokens - len(run.written), 1)]
             yield from run.hand_on([Token(tok, content if i == 0 else "", "accepted", source="grammar",
                                           reasoning=reasoning if i == 0 else "", channel=CONTENT)
                                     for i, tok in enumerate(forced)])

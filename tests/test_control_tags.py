@@ -62,3 +62,25 @@ def test_llama_cpp_renders_gpt_oss_header_tokens_and_end_as_text(tmp_path: Path)
         assert model.is_eog(ids["<|return|>"][0]) and model.piece(ids["<|return|>"][0]) == b""
     finally:
         model.close()
+
+
+def test_reasoning_format_none_shows_control_token_tags_as_text(tmp_path: Path) -> None:
+    """`reasoning_format: "none"` is the output as written: a thinking model's tags that are control tokens (Gemma 4's
+    <|channel>, Command R7B's <|START_THINKING|>) are in it as their text, as llama-server renders a format's
+    preserved tokens (they rendered as nothing, and the client could not tell the reasoning from the answer)."""
+    from serve_helpers import start_server, stop_server
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")  # QwQ's way
+    path = write_llama_gguf(tmp_path / "think.gguf", vocab=spm_vocab(control=("<think>", "</think>")),
+                            chat_template=template)
+    served = start_server(["-m", str(path), "-np", "1", "--temp", "0", "-n", "12"], tmp_path / "server.log")
+    try:
+        body = {"messages": [{"role": "user", "content": "the cat"}], "reasoning_budget_tokens": 3}
+        split = served.post("/v1/chat/completions", body).json()["choices"][0]["message"]
+        raw = served.post("/v1/chat/completions", {**body, "reasoning_format": "none"}).json()["choices"][0]["message"]
+        assert raw["content"].startswith("<think>\n") and "</think>" in raw["content"], raw
+        thought, _, answer = raw["content"].removeprefix("<think>\n").partition("</think>")
+        assert (thought.strip(), answer.strip()) == (split["reasoning_content"].strip(), split["content"].strip())
+    finally:
+        stop_server(served)

@@ -126,6 +126,14 @@ def test_the_forced_end_of_a_thinking_has_a_numeric_logprob(qwq: Served) -> None
     assert [e.logprob for e in entries[forced:forced + 3]] == [0.0] * 3, tokens[forced:forced + 3]
 
 
+def test_the_forced_end_of_a_thinking_counts_in_max_tokens(qwq: Served) -> None:
+    # The end tag forced when the budget is spent counts as llama.cpp's forced (sampled) tokens do: cut at the
+    # limit, never written past it (9 tokens of thinking and a 4-token "</think>\n\n" made 13 of 10).
+    r = _chat(qwq, "smollm2-qwq", max_tokens=10, reasoning_budget_tokens=9)
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length", r.usage
+    assert _reasoning(r.choices[0].message) and not r.choices[0].message.content
+
+
 def test_thinking_off_is_a_400_where_the_template_cannot_turn_it_off(qwq: Served) -> None:
     for extra, param in (({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
                          ({"reasoning_effort": "none"}, "reasoning_effort")):

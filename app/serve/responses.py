@@ -116,7 +116,8 @@ class Reply:
     tool_format: ToolFormat = "generic"
     thinks: bool = False
     raw: bool = False
-    call_piece: Callable[[int], bytes] | None = None  # harmony's calls: the tokens' pieces, markers rendered
+    # The tokens' pieces with the format's markers rendered (harmony's calls; a thinking model's raw output).
+    call_piece: Callable[[int], bytes] | None = None
     opening: str = ""  # reasoning_format none: the prompt's part of the thinking block (backends.reasoning.opening)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
@@ -141,9 +142,8 @@ class Reply:
         read with its markers rendered."""
         if not self.raw:
             return None
-        harmony = self.tool_format == "harmony"
-        piece = (self.call_piece or self.piece) if harmony else self.piece
-        return RawStream(piece, self.request.params.stop, self.opening, harmony)
+        return RawStream(self.call_piece or self.piece, self.request.params.stop, self.opening,
+                         self.tool_format == "harmony")
 
     def _text(self, done: Done) -> str:
         """A choice's content: the answer, or for a `raw` one everything the model wrote (as llama.cpp shows it)."""

@@ -140,9 +140,13 @@ class EngineWorker:
         self.engine = engine
         self.format = PromptFormat(engine)
         self.tool_format = tool_format(self.format.template)  # how this model's template calls tools
-        # gpt-oss's calls are read from the output as written, its markers rendered (app.serve.harmony_tools).
-        self.call_piece = rendering(engine.target_model, PRESERVED) if self.tool_format == "harmony" else None
         self.reasoning = self.format.reasoning  # how it thinks (None: it does not): found once, before any request
+        # The output as written with the format's markers rendered where they are control tokens (which render as
+        # nothing): gpt-oss's calls are read from it (app.serve.harmony_tools), and `reasoning_format: none` shows
+        # it, a thinking model's tags included (Gemma 4's <|channel>, Command R7B's <|START_THINKING|>), as
+        # llama-server renders a format's preserved tokens.
+        self.call_piece = rendering(engine.target_model, PRESERVED) if self.tool_format == "harmony" else \
+            rendering(engine.target_model, self.reasoning.tags) if self.reasoning is not None else None
         self.pool = SlotPool(engine, cache_mib, kv_disk)
         self.parallel = self.pool.size
         self._queue: queue.Queue[object] = queue.Queue()  # Jobs, _WAKE markers, and None: stop
