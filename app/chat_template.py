@@ -75,6 +75,32 @@ def message_dict(m: ChatMessage) -> dict[str, object]:
     return out
 
 
+def is_ministral3(template: str) -> bool:
+    """Ministral 3 / Mistral Large 3 (Ministral-3-...-Reasoning), as llama.cpp's common/chat.cpp detects it."""
+    return all(tag in template for tag in ("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]")) and "[CALL_ID]" not in template
+
+
+def ministral3_messages(messages: list[dict[str, object]]) -> list[dict[str, object]]:
+    """System and assistant messages as Ministral 3's template reads them (common_chat_params_init_ministral_3):
+    the content a list of blocks, the reasoning a `thinking` block before the `text` one. It never reads
+    `reasoning_content`, and it refuses an assistant's empty string (a turn cut short while thinking)."""
+    out = []
+    for m in messages:
+        if m["role"] not in ("system", "assistant"):
+            out.append(m)
+            continue
+        blocks: list[object] = []
+        if isinstance(m.get("reasoning_content"), str):
+            blocks.append({"type": "thinking", "thinking": m["reasoning_content"]})
+        content = m.get("content")
+        if isinstance(content, str):
+            blocks.append({"type": "text", "text": content})
+        elif isinstance(content, list):
+            blocks += content
+        out.append({**{k: v for k, v in m.items() if k != "reasoning_content"}, "content": blocks})
+    return out
+
+
 class ChatTemplateError(ValueError):
     """The model's chat template cannot render this conversation."""
 
@@ -135,6 +161,8 @@ def render_chat(template: str, messages: Sequence[ChatMessage], bos_token: str, 
     dicts = [message_dict(m) for m in messages]
     if is_harmony(template):  # gpt-oss's template reads an assistant's reasoning as `thinking`
         dicts = template_messages(dicts)
+    elif is_ministral3(template):
+        dicts = ministral3_messages(dicts)
     try:
         return _compile(template).render(
             messages=dicts,

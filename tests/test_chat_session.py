@@ -45,6 +45,23 @@ def test_template_errors_are_clear(template: str, problem: str) -> None:
         render_chat(template, [ChatMessage("user", "hi")], "<s>", "</s>")
 
 
+def test_ministral_3_reads_earlier_reasoning_as_thinking_blocks() -> None:
+    """Ministral 3 Reasoning's template reads an answer's reasoning only as a `thinking` content block (llama.cpp's
+    common_chat_params_init_ministral_3 writes it so): as `reasoning_content` it was dropped from the prompt, and
+    an answer with reasoning and no text (a turn cut short while thinking) made the template refuse the chat."""
+    from pathlib import Path
+
+    template = (Path(__file__).parent / "data" / "templates" /
+                "mistralai-Ministral-3-14B-Reasoning-2512.jinja").read_text(encoding="utf-8")
+    for answer in ("4", ""):
+        messages = [ChatMessage("user", "2+2?"), ChatMessage("assistant", answer, reasoning="2+2 is 4"),
+                    ChatMessage("user", "and 3+3?")]
+        text = render_chat(template, messages, "<s>", "</s>")
+        assert text.endswith(f"[INST]2+2?[/INST][THINK]2+2 is 4[/THINK]{answer}</s>[INST]and 3+3?[/INST]"), text[-120:]
+    text = render_chat(template, [ChatMessage("system", "Be brief."), ChatMessage("user", "hi")], "<s>", "</s>")
+    assert text == "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST]hi[/INST]"
+
+
 def _run(session: ChatSession, text: str, strategy: str = "ar", n: int = 12) -> Done:
     return until_done(session.turn(text, TurnRequest(strategy, GenParams(max_tokens=n), StrategyOptions())))
 
