@@ -4,7 +4,11 @@ On disk (`MemoryFile`): a header (magic, format version, the vocabulary's
 hash, its size) and then records, each a document: length, CRC-32, tokens.
 Adding a document appends one record (flushed and fsynced off the decode
 path, by a writer thread), so a crash or kill -9 can cut only the last
-record, which the CRC finds and the next load drops. Past its bound
+record, which the CRC finds and the next load drops; an append (under an
+advisory lock: the chat app and a server may share the file) first trims a
+cut record another process left at the end, and a write that fails midway
+(a full disk) is truncated back, so that no record is ever cut in the
+middle of the file. Past its bound
 (`max_tokens`) the store evicts the documents used least recently and
 rewrites the file whole (a temporary file renamed over it, so the old one
 stays until the new one is complete). A file that is not a store, of another
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -78,7 +83,11 @@ class MemoryFile:
     def read(self) -> tuple[list[np.ndarray], bool]:
         """The documents, and whether a cut last record was dropped. Raises MemoryFileError for a file that is
         not this vocabulary's store."""
-        data = self.path.read_bytes()
+        docs, end = self._parse(self.path.read_bytes())
+        return docs, end is not None
+
+    def _parse(self, data: bytes) -> tuple[list[np.ndarray], int | None]:
+        """The documents in `data`, and where a cut last record starts (None: the records are whole)."""
         if len(data) < _HEADER.size:
             raise MemoryFileError(f"{self.path}: too short to be a speculation memory file")
         magic, version, vocab_hash, n_vocab = _HEADER.unpack_from(data)
@@ -92,21 +101,21 @@ class MemoryFile:
         at = _HEADER.size
         while at < len(data):
             if at + _RECORD.size > len(data):
-                return docs, True
+                return docs, at
             n, crc = _RECORD.unpack_from(data, at)
             body = data[at + _RECORD.size: at + _RECORD.size + 4 * n]
             if len(body) < 4 * n:
-                return docs, True  # cut by a crash mid-write: the records before it are whole
+                return docs, at  # cut by a crash mid-write: the records before it are whole
             if zlib.crc32(body) != crc:
                 if at + _RECORD.size + 4 * n >= len(data):
-                    return docs, True
+                    return docs, at
                 raise MemoryFileError(f"{self.path}: a damaged record in the middle")
             doc = np.frombuffer(body, dtype="<u4").astype(np.int64)
             if doc.size and int(doc.max()) >= self.n_vocab:
                 raise MemoryFileError(f"{self.path}: token ids outside the vocabulary")
             docs.append(doc)
             at += _RECORD.size + 4 * n
-        return docs, False
+        return docs, None
 
     @staticmethod
     def record(doc: Sequence[int]) -> bytes:
@@ -114,16 +123,34 @@ class MemoryFile:
         return _RECORD.pack(len(doc), zlib.crc32(body)) + body
 
     def append(self, docs: Sequence[Sequence[int]]) -> None:
-        new = not self.path.exists()
+        """The documents' records at the end of the file, whole or not at all (see the module)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            if new or os.fstat(fd).st_size == 0:
-                os.write(fd, self.header())
-            os.write(fd, b"".join(self.record(d) for d in docs))
-            os.fsync(fd)
+            _lock(fd)
+            size = os.fstat(fd).st_size
+            if size >= _HEADER.size:  # a cut record another writer left at the end goes first
+                with open(fd, "rb", closefd=False) as f:
+                    f.seek(0)
+                    try:
+                        cut = self._parse(f.read())[1]
+                    except MemoryFileError:  # damaged before its end: the next load sets it aside whole
+                        cut = None
+                if cut is not None:
+                    os.ftruncate(fd, size := cut)
+            data = (self.header() if size < _HEADER.size else b"") + b"".join(self.record(d) for d in docs)
+            if 0 < size < _HEADER.size:
+                os.ftruncate(fd, size := 0)
+            try:
+                view = memoryview(data)
+                while view:  # os.write may write less than asked (a full disk, a signal)
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, size)  # nothing of it, rather than a record cut in the middle of the file
+                raise
         finally:
-            os.close(fd)
+            os.close(fd)  # (and the lock with it)
 
     def rewrite(self, docs: Sequence[Sequence[int]]) -> None:
         """The whole file anew: written beside it, synced, then renamed over it (the old one stays whole until
@@ -134,6 +161,14 @@ class MemoryFile:
         bad = self.path.with_name(self.path.name + f".bad-{int(time.time())}")
         os.replace(self.path, bad)
         return bad
+
+
+def _lock(fd: int) -> None:
+    """An advisory lock on the file until it is closed, where the system has one (fcntl: Linux, macOS)."""
+    if sys.platform != "win32":
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def counters_path(store: Path) -> Path:

@@ -108,6 +108,19 @@ def test_kill_9_while_writing_leaves_a_store_that_loads(tmp_path: Path) -> None:
         path.unlink()
 
 
+def test_an_append_after_another_writers_cut_record_keeps_the_file_whole(tmp_path: Path) -> None:
+    """The chat app and a server share the file: one killed mid-append leaves a cut record at its end, and the
+    other's next append goes after it. It trims the cut record first, so the file reads whole (it read as "a
+    damaged record in the middle" and was set aside, the whole memory lost)."""
+    path = tmp_path / "m.bin"
+    first, second = MemoryFile(path, HASH, N_VOCAB), MemoryFile(path, HASH, N_VOCAB)
+    first.append([list(range(10, 30)), list(range(30, 50))])
+    path.write_bytes(path.read_bytes() + MemoryFile.record(list(range(50, 90)))[:37])  # a writer killed midway
+    second.append([list(range(90, 100))])
+    docs, cut = MemoryFile(path, HASH, N_VOCAB).read()
+    assert not cut and [d.tolist() for d in docs] == [list(range(10, 30)), list(range(30, 50)), list(range(90, 100))]
+
+
 @pytest.mark.parametrize("damage", ["truncated header", "garbage", "other vocabulary", "bad token ids",
                                     "middle record"])
 def test_a_damaged_or_foreign_file_is_set_aside_with_one_line(tmp_path: Path, damage: str) -> None:
