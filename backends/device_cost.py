@@ -138,6 +138,7 @@ def file_identity(path: Path | None) -> list[object]:
     """What changes when a model file is replaced: its path, size and modification time."""
     if path is None:
         return []
+    path = Path(path)  # (a caller's str)
     st = path.stat()
     return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
