@@ -356,5 +356,13 @@ def describe_store(folder: Path) -> dict[str, object]:
     """What the store holds, without loading a model: entries, bytes, set-aside files."""
     files = list(folder.glob("*.kv")) if folder.is_dir() else []
     aside = leftovers(folder)
-    return {"folder": str(folder), "entries": len(files), "bytes": sum(p.stat().st_size for p in files + aside),
+    return {"folder": str(folder), "entries": len(files), "bytes": sum(map(_size, files + aside)),
             "set_aside": len(aside)}
+
+
+def _size(path: Path) -> int:
+    """A file's size; 0 for one gone since it was listed (a write in progress renamed, another's eviction)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
