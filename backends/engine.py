@@ -211,7 +211,11 @@ class Engine:
         # Set up at load, not by the first request before its first token: the speculation memory, found by a hash
         # of the vocabulary (0.36 s of a restarted server's first request with Gemma's 262k tokens, docs/results.md).
         self.memory()
-        self.kv_key()  # the files' identity as loaded
+        # What a slot's cells depend on: the files as they were loaded, read once (a model file replaced on disk
+        # while it runs must not key the cells of the one in memory). An MTP head's cells are the draft's, of the
+        # target's own file.
+        self._kv_key = KvKey.of(config.target, config.target if self.mtp else config.draft, self.target.n_ctx,
+                                build_info())
 
     @property
     def mtp(self) -> bool:
@@ -327,15 +331,8 @@ class Engine:
             slot.reset()
 
     def kv_key(self) -> KvKey:
-        """What a slot's cells depend on, for KV files (backends.kv_store): the files as they were loaded, read
-        once (a model file replaced on disk while it runs must not key the cells of the one in memory)."""
+        """What a slot's cells depend on, for KV files (backends.kv_store), as the files were loaded."""
         return self._kv_key
-
-    @cached_property
-    def _kv_key(self) -> KvKey:
-        # An MTP head's cells are the draft's, of the target's own file.
-        draft = self.config.target if self.mtp else self.config.draft
-        return KvKey.of(self.config.target, draft, self.target.n_ctx, build_info())
 
     def measured_to(self, k_max: int = AUTO_K_MAX) -> bool:
         """Is the device's cost known (this session or on disk) with a curve of at least `k_max` batch sizes, so

@@ -138,9 +138,9 @@ class MemoryFile:
                         cut = None
                 if cut is not None:
                     os.ftruncate(fd, size := cut)
-            data = (self.header() if size < _HEADER.size else b"") + b"".join(self.record(d) for d in docs)
-            if 0 < size < _HEADER.size:
+            elif size:  # a header cut short: the file starts anew
                 os.ftruncate(fd, size := 0)
+            data = (b"" if size else self.header()) + b"".join(self.record(d) for d in docs)
             try:
                 view = memoryview(data)
                 while view:  # os.write may write less than asked (a full disk, a signal)

@@ -103,7 +103,7 @@ class ChatScreen(Screen):
         # The conversation (its system prompt and messages) while the models load again: the next session's.
         self._carried: tuple[str, list] | None = None
         self._reload_pending = False  # models changed while an answer or a load ran: loaded again when it ends
-        self._asked: tuple[UserMessage, str] | None = None  # the running turn's message, put back if it fails
+        self._asked: UserMessage | None = None  # the running turn's message, put back in the input if it fails
 
     # -- layout ---------------------------------------------------------------
 
@@ -253,9 +253,8 @@ class ChatScreen(Screen):
         event.input.value = ""
         s = self.settings
         request = TurnRequest(s.strategy, s.params, s.options, s.thinking, s.reasoning_effort)
-        asked = UserMessage(text)
-        self._asked = asked, text
-        self.transcript.add(asked)
+        self._asked = UserMessage(text)
+        self.transcript.add(self._asked)
         self._answer = AnswerView(s.speculation_view)
         self.transcript.add(self._answer)
         self.generating = True
@@ -344,12 +343,11 @@ class ChatScreen(Screen):
             self._answer.remove()
             self._answer = None
         if self._asked is not None:
-            asked, text = self._asked
-            self._asked = None
-            asked.remove()
+            self._asked.remove()
             prompt = self.query_one("#prompt", Input)
             if not prompt.value:
-                prompt.value = text
+                prompt.value = self._asked.text
+            self._asked = None
         self._note(message.error, "error")
         self.stats.show(state="ready")
         self._reload_if_pending()

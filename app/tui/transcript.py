@@ -50,6 +50,7 @@ __all__ = ["PLACEHOLDER", "AnswerView", "ColouredText", "Note", "Transcript", "U
 class UserMessage(Static):
     def __init__(self, text: str) -> None:
         super().__init__(text, markup=False)
+        self.text = text
 
 
 class Note(Static):
